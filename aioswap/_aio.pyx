@@ -9,7 +9,8 @@ the GIL released. Nothing here knows about torch: buffers are the buffer protoco
 addresses whose owners the caller keeps alive.
 """
 cimport aioswap._aio_abi as abi
-from cpython.buffer cimport (PyBUF_ANY_CONTIGUOUS, PyBUF_C_CONTIGUOUS,
+from cpython.buffer cimport (PyBUF_ANY_CONTIGUOUS, PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_ND,
+                             PyBUF_STRIDES,
                              PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer)
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
@@ -636,3 +637,152 @@ def aio_available():
     except OSError as exc:
         return (False, str(exc))
     return (True, "")
+
+
+cdef extern from "<sys/mman.h>" nogil:
+    void* mmap(void* addr, size_t length, int prot, int flags, int fd, long offset)
+    int munmap(void* addr, size_t length)
+    int mlock(const void* addr, size_t length)
+    int munlock(const void* addr, size_t length)
+    int PROT_READ
+    int PROT_WRITE
+    int MAP_PRIVATE
+    int MAP_ANONYMOUS
+    void* MAP_FAILED
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+cdef class LockedMemory:
+    """Page-aligned anonymous memory (``mmap``), ``mlock``-ed when asked; a writable buffer.
+
+    Parameters
+    ----------
+    nbytes : int
+        Size in bytes (> 0); the mapping is rounded up to whole pages.
+    lock : bool
+        ``mlock`` the pages. When locking fails the mapping is removed again and
+        ``OSError`` (EPERM/ENOMEM/EAGAIN, as the kernel said) is raised.
+
+    Notes
+    -----
+    Objects that view this memory (``torch.frombuffer``, ``numpy.frombuffer``, memoryviews)
+    keep it referenced, so it is unmapped only after the last of them is collected.
+    Weak references are supported and are cleared *before* the pages are unlocked and
+    unmapped, so a ``weakref.finalize`` callback can unregister the range while it is still
+    mapped (no other mapping can take the address before the callback has run).
+    """
+    cdef void* _addr
+    cdef size_t _nbytes
+    cdef size_t _mapped
+    cdef bint _locked
+    cdef Py_ssize_t _exports
+    cdef object __weakref__
+
+    def __cinit__(self):
+        self._addr = NULL
+        self._nbytes = 0
+        self._mapped = 0
+        self._locked = False
+        self._exports = 0
+
+    def __init__(self, Py_ssize_t nbytes, bint lock=True):
+        cdef size_t page = PAGE_SIZE
+        cdef size_t mapped
+        cdef void* addr
+        cdef int rc = 0, e = 0
+        if self._addr != NULL:
+            raise RuntimeError("LockedMemory is already initialised")
+        if nbytes <= 0:
+            raise ValueError(f"LockedMemory needs a positive size, got {nbytes}")
+        mapped = ((<size_t>nbytes + page - 1) // page) * page
+        with nogil:
+            addr = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+            if addr == MAP_FAILED:
+                e = errno
+            elif lock:
+                rc = mlock(addr, mapped)
+                if rc != 0:
+                    e = errno
+                    munmap(addr, mapped)
+        if addr == MAP_FAILED:
+            raise MemoryError(f"mmap of {mapped} bytes failed: {os.strerror(e)}")
+        if rc != 0:
+            raise OSError(e, f"mlock of {mapped} bytes failed: {os.strerror(e)}")
+        self._addr = addr
+        self._nbytes = <size_t>nbytes
+        self._mapped = mapped
+        self._locked = lock
+
+    @property
+    def address(self):
+        return <size_t>self._addr
+
+    @property
+    def nbytes(self):
+        return self._nbytes
+
+    @property
+    def mapped_bytes(self):
+        """Bytes mapped (and locked when ``locked``): ``nbytes`` rounded up to pages."""
+        return self._mapped
+
+    @property
+    def locked(self):
+        return self._locked
+
+    @property
+    def closed(self):
+        return self._addr == NULL
+
+    def __len__(self):
+        return self._nbytes
+
+    def __repr__(self):
+        if self._addr == NULL:
+            return "<aioswap._aio.LockedMemory released>"
+        return (f"<aioswap._aio.LockedMemory {self._nbytes} bytes at {<size_t>self._addr:#x}"
+                f"{' locked' if self._locked else ''}>")
+
+    def __getbuffer__(self, Py_buffer* view, int flags):
+        if self._addr == NULL:
+            raise BufferError("LockedMemory was released")
+        view.buf = self._addr
+        view.obj = self
+        view.len = <Py_ssize_t>self._nbytes
+        view.readonly = 0
+        view.itemsize = 1
+        view.format = NULL
+        if flags & PyBUF_FORMAT:
+            view.format = b"B"
+        view.ndim = 1
+        view.shape = &view.len if (flags & PyBUF_ND) else NULL
+        view.strides = &view.itemsize if (flags & PyBUF_STRIDES) else NULL
+        view.suboffsets = NULL
+        view.internal = NULL
+        self._exports += 1
+
+    def __releasebuffer__(self, Py_buffer* view):
+        self._exports -= 1
+
+    def release(self):
+        """Unlock and unmap now. Idempotent; refuses while a buffer export is open."""
+        if self._exports > 0:
+            raise BufferError(f"LockedMemory of {self._nbytes} bytes has {self._exports} "
+                              f"open buffer exports")
+        self._unmap()
+
+    cdef void _unmap(self) noexcept:
+        cdef void* addr = self._addr
+        cdef size_t mapped = self._mapped
+        cdef bint locked = self._locked
+        if addr == NULL:
+            return
+        self._addr = NULL
+        with nogil:
+            if locked:
+                munlock(addr, mapped)
+            munmap(addr, mapped)
+
+    def __dealloc__(self):
+        self._unmap()
