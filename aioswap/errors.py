@@ -8,10 +8,12 @@ from __future__ import annotations
 
 __all__ = [
     "AioswapError",
+    "AioswapWarning",
     "ChecksumError",
     "ConfigError",
     "CuFileError",
     "CuFileUnavailable",
+    "DirectIOFallbackWarning",
     "DirectIOUnsupportedError",
     "HandleClosedError",
     "PinnedMemoryError",
@@ -70,3 +72,11 @@ class SwapError(AioswapError, RuntimeError):
 
 class ChecksumError(SwapError):
     """A swapped tensor's bytes do not match the checksum recorded when it was written."""
+
+
+class AioswapWarning(UserWarning):
+    """Base class of aioswap's warnings."""
+
+
+class DirectIOFallbackWarning(AioswapWarning):
+    """A file system refused ``O_DIRECT``; the handle serves that file with buffered I/O."""

@@ -1,0 +1,1 @@
+"""Compatibility layers with other projects' APIs."""
