@@ -1,25 +1,37 @@
 """aioswap: move PyTorch tensors between memory and NVMe files at the speed of the drive."""
 from aioswap._aio import AioContext, aio_available, dio_alignment, open_direct
-from aioswap.errors import (AioswapError, ChecksumError, ConfigError, CuFileError,
-                            CuFileUnavailable, DirectIOUnsupportedError, HandleClosedError,
-                            PinnedMemoryError, ShortReadError, SwapError)
+from aioswap.config import AioConfig
+from aioswap.errors import (AioswapError, AioswapWarning, ChecksumError, ConfigError,
+                            CuFileError, CuFileUnavailable, DirectIOFallbackWarning,
+                            DirectIOUnsupportedError, HandleClosedError, PinnedMemoryError,
+                            ShortReadError, SwapError)
+from aioswap.handle import AioHandle, HandleStats, IOFuture
+from aioswap.pinned import PinnedRegistry, is_pinned
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AioConfig",
     "AioContext",
+    "AioHandle",
     "AioswapError",
+    "AioswapWarning",
     "ChecksumError",
     "ConfigError",
     "CuFileError",
     "CuFileUnavailable",
+    "DirectIOFallbackWarning",
     "DirectIOUnsupportedError",
     "HandleClosedError",
+    "HandleStats",
+    "IOFuture",
     "PinnedMemoryError",
+    "PinnedRegistry",
     "ShortReadError",
     "SwapError",
     "__version__",
     "aio_available",
     "dio_alignment",
+    "is_pinned",
     "open_direct",
 ]

@@ -1,0 +1,550 @@
+"""AioHandle: every path (direct, bounce, head/tail, buffered) against os.pread/os.pwrite."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import resource
+import subprocess
+import sys
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import aioswap
+from aioswap import pinned
+from aioswap.compat import deepnvme
+from aioswap.errors import DirectIOFallbackWarning, HandleClosedError, ShortReadError
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def handle():
+    with aioswap.AioHandle(block_size=64 * 1024, queue_depth=8) as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def ramfs(tmp_path_factory):
+    """A file system that refuses O_DIRECT (ramfs), mounted for the buffered path."""
+    d = tmp_path_factory.mktemp("ramfs")
+    r = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(d)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount ramfs (needs root): {r.stderr.decode().strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def _pread(path, n: int, offset: int = 0) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, n, offset)
+    finally:
+        os.close(fd)
+
+
+def _bytes_of(x) -> bytes:
+    if isinstance(x, torch.Tensor):
+        return x.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return np.ascontiguousarray(x).tobytes()
+
+
+def _random_tensor(nbytes: int, dtype: torch.dtype, *, locked: bool) -> torch.Tensor:
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    numel = nbytes // itemsize
+    t = pinned.empty(numel, dtype) if locked else torch.empty(numel, dtype=dtype)
+    t.view(-1).view(torch.uint8).copy_(
+        torch.frombuffer(bytearray(os.urandom(numel * itemsize)), dtype=torch.uint8))
+    return t
+
+
+# path -> (aligned?, locked?, use ramfs?)
+PATHS = {
+    "direct": (True, True, False),
+    "bounce": (True, False, False),
+    "head_tail": (False, True, False),
+    "buffered": (False, False, True),
+}
+SIZES = [1, 4095, 4096, MiB + 3, 3 * MiB]
+DTYPES = [torch.uint8, torch.float16, torch.bfloat16, torch.int64, torch.float32]
+
+
+def _case(path, tmp_path, request):
+    aligned, locked, use_ramfs = PATHS[path]
+    d = request.getfixturevalue("ramfs") if use_ramfs else tmp_path
+    return d, aligned, locked
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("size", SIZES)
+def test_round_trip_every_path(path, size, tmp_path, request, handle):
+    d, aligned, locked = _case(path, tmp_path, request)
+    if path in ("direct", "bounce") and size % 4096:
+        size = (size // 4096 + 1) * 4096      # these paths are about aligned middles
+    offset = 0 if aligned else 4097
+    src = _random_tensor(size, torch.uint8, locked=locked)
+    f = str(d / "data.bin")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DirectIOFallbackWarning)
+        assert handle.pwrite(src, f, offset) == size
+        # reference read of what was written
+        with open(f, "rb") as fh:
+            disk = os.pread(fh.fileno(), size + 10, offset)
+        assert disk == _bytes_of(src)
+        assert os.path.getsize(f) == offset + size          # ends where the data ends
+        # reference write, engine read
+        ref = os.urandom(size)
+        fd = os.open(f, os.O_WRONLY)
+        os.pwrite(fd, ref, offset)
+        os.close(fd)
+        dst = _random_tensor(size, torch.uint8, locked=locked)
+        assert handle.pread(dst, f, offset) == size
+    assert _bytes_of(dst) == ref
+    s = handle.stats
+    moved = {"direct": s.direct_bytes, "bounce": s.bounce_bytes,
+             "head_tail": s.head_tail_bytes, "buffered": s.buffered_bytes}
+    assert moved[path] > 0, s
+    if path in ("direct", "bounce"):
+        assert s.head_tail_bytes == 0 and s.buffered_bytes == 0
+        other = "bounce" if path == "direct" else "direct"
+        assert moved[other] == 0, s
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("locked", [True, False])
+def test_dtypes(dtype, locked, tmp_path, handle):
+    t = _random_tensor(MiB + 8, dtype, locked=locked)
+    f = tmp_path / "t.bin"
+    handle.pwrite(t, f, 512)
+    assert _pread(f, t.numel() * t.element_size(), 512) == _bytes_of(t)
+    out = torch.empty_like(t)
+    handle.pread(out, f, 512)
+    assert torch.equal(out.view(torch.uint8) if dtype != torch.uint8 else out,
+                       t.view(torch.uint8) if dtype != torch.uint8 else t)
+
+
+def test_views_and_slices(tmp_path, handle):
+    base = _random_tensor(4 * MiB, torch.float32, locked=True)
+    f = tmp_path / "v.bin"
+    views = {
+        "narrow": base.narrow(0, 1000, 4096),
+        "slice": base[4096:4096 + 65536],
+        "strided": base[::3],
+        "2d_t": base[:1024 * 256].view(1024, 256).t(),
+    }
+    for name, v in views.items():
+        handle.pwrite(v, f, 0)
+        assert _pread(f, v.numel() * 4) == _bytes_of(v), name
+        out = torch.zeros_like(v)
+        handle.pread(out, f, 0)
+        assert _bytes_of(out) == _bytes_of(v), name
+
+
+def test_read_into_noncontiguous_tensor(tmp_path, handle):
+    f = tmp_path / "nc.bin"
+    ref = os.urandom(512 * 384 * 8)
+    f.write_bytes(ref)
+    big = torch.zeros(512, 768, dtype=torch.float64)
+    view = big[:, ::2]                         # non-contiguous, 512 x 384
+    assert not view.is_contiguous()
+    assert handle.pread(view, f, 0) == len(ref)
+    assert _bytes_of(view) == ref              # the tensor holds the data afterwards
+    assert torch.equal(big[:, 1::2], torch.zeros(512, 384, dtype=torch.float64))
+
+
+def test_numpy_and_buffers(tmp_path, handle):
+    f = tmp_path / "np.bin"
+    a = np.frombuffer(os.urandom(8 * 100_003), dtype=np.float64).copy()
+    handle.pwrite(a, f)
+    assert f.read_bytes() == a.tobytes()
+    b = np.empty_like(a)
+    handle.pread(b, f)
+    assert b.tobytes() == a.tobytes()
+    ba = bytearray(100_003)
+    handle.pread(ba, f)
+    assert bytes(ba) == a.tobytes()[:100_003]
+    handle.pwrite(b"hello world", f, 3)                      # read-only buffer is fine to write
+    assert _pread(f, 11, 3) == b"hello world"
+    strided = np.arange(10_000, dtype=np.int32)[::7]
+    handle.pwrite(strided, f)
+    out = np.zeros_like(strided)
+    handle.pread(out, f)
+    assert np.array_equal(out, strided)
+
+
+def test_file_descriptor_argument(tmp_path, handle):
+    f = tmp_path / "fd.bin"
+    data = _random_tensor(2 * MiB + 100, torch.uint8, locked=False)
+    fd = os.open(f, os.O_RDWR | os.O_CREAT)
+    try:
+        assert handle.pwrite(data, fd, 100) == data.numel()
+        out = torch.empty_like(data)
+        assert handle.pread(out, fd, 100) == data.numel()
+        assert torch.equal(out, data)
+    finally:
+        os.close(fd)
+    ro = os.open(f, os.O_RDONLY)
+    try:
+        with pytest.raises(PermissionError, match="not open for writing"):
+            handle.pwrite(data, ro)
+    finally:
+        os.close(ro)
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(single_submit=True, overlap_events=False),
+    dict(single_submit=False, overlap_events=True),
+    dict(intra_op_parallelism=3),
+    dict(intra_op_parallelism=4, queue_depth=2, block_size=4096),
+])
+def test_knobs_and_parallelism(knobs, tmp_path):
+    f = tmp_path / "k.bin"
+    for locked in (True, False):
+        src = _random_tensor(5 * MiB + 12288, torch.uint8, locked=locked)
+        with aioswap.AioHandle(**knobs) as h:
+            h.pwrite(src, f)
+            out = _random_tensor(src.numel(), torch.uint8, locked=locked)
+            h.pread(out, f)
+        assert torch.equal(out, src)
+        assert f.read_bytes() == _bytes_of(src)
+
+
+# ---------------------------------------------------------------------------- property
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(nbytes=st.integers(1, 300_000), offset=st.integers(0, 20_000),
+       dtype=st.sampled_from([torch.uint8, torch.int16, torch.float32, torch.int64]),
+       view=st.sampled_from(["whole", "slice", "strided"]), locked=st.booleans())
+def test_property_round_trip(tmp_path, nbytes, offset, dtype, view, locked):
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    base = _random_tensor(max(itemsize, nbytes - nbytes % itemsize) * 2 + 64, dtype,
+                          locked=locked)
+    n = max(1, nbytes // itemsize)
+    t = {"whole": base[:n], "slice": base[3:3 + n], "strided": base[: 2 * n: 2]}[view]
+    f = tmp_path / "p.bin"
+    f.unlink(missing_ok=True)
+    with aioswap.AioHandle(block_size=16384, queue_depth=4) as h:
+        h.pwrite(t, f, offset)
+        raw = f.read_bytes()
+        assert len(raw) == offset + t.numel() * itemsize
+        assert raw[offset:] == _bytes_of(t)
+        out = torch.empty_like(t)
+        h.pread(out, f, offset)
+    assert _bytes_of(out) == _bytes_of(t)
+
+
+# ---------------------------------------------------------------------------- async
+
+
+def test_async_from_threads_then_wait(tmp_path):
+    nthreads, per = 4, 8
+    datas = {}
+    futs = []
+    lock = threading.Lock()
+    with aioswap.AioHandle(block_size=128 * 1024, queue_depth=8) as h:
+        def worker(k):
+            for i in range(per):
+                t = _random_tensor(256 * 1024 + k * 512 + i, torch.uint8, locked=(i % 2 == 0))
+                p = tmp_path / f"a{k}_{i}.bin"
+                fut = h.pwrite(t, p, async_op=True)
+                with lock:
+                    datas[p] = t
+                    futs.append(fut)
+        ts = [threading.Thread(target=worker, args=(k,)) for k in range(nthreads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert h.wait() == nthreads * per
+        assert all(f.done() and f.result() == datas[f.file].numel() for f in futs)
+        assert h.wait() == 0
+        for p, t in datas.items():
+            assert p.read_bytes() == _bytes_of(t)
+        outs = {p: torch.empty_like(t) for p, t in datas.items()}
+        for p, o in outs.items():
+            h.pread(o, p, async_op=True)
+        assert h.wait() == len(outs)
+    for p, o in outs.items():
+        assert torch.equal(o, datas[p])
+
+
+def test_futures_carry_errors_and_callbacks(tmp_path):
+    f = tmp_path / "short.bin"
+    f.write_bytes(b"x" * 1000)
+    seen = []
+    with aioswap.AioHandle() as h:
+        ok = h.pread(torch.empty(1000, dtype=torch.uint8), f, async_op=True)
+        ok.add_done_callback(lambda fut: seen.append(fut.result()))
+        fd = os.open(f, os.O_RDONLY)
+        bad = h.pread(torch.empty(1000, dtype=torch.uint8), fd, async_op=True)
+        os.close(fd)       # the request reopened what it needs; closing the caller's fd is safe
+        assert h.wait() == 2
+        assert ok.result() == 1000 and seen == [1000] and bad.result() == 1000
+
+        async def main():
+            return await asyncio.wrap_future(h.pwrite(b"abc", f, async_op=True))
+        assert asyncio.run(main()) == 3
+        assert h.wait() == 1
+
+
+def test_wait_raises_first_error_after_all_finish(tmp_path, monkeypatch):
+    good = tmp_path / "g.bin"
+    with aioswap.AioHandle() as h:
+        real = h._execute
+        calls = []
+
+        def flaky(op, mem, f, offset, n):
+            calls.append(f.name)
+            if "bad" in f.name:
+                raise OSError(5, "injected I/O error", f.name)
+            return real(op, mem, f, offset, n)
+        monkeypatch.setattr(h, "_execute", flaky)
+        f1 = h.pwrite(b"a" * 10, tmp_path / "bad1.bin", async_op=True)
+        f2 = h.pwrite(b"b" * 10, good, async_op=True)
+        with pytest.raises(OSError, match="injected"):
+            h.wait()
+        assert f1.exception() is not None and f2.result() == 10
+        assert good.read_bytes() == b"b" * 10
+        assert h.wait() == 0
+
+
+def test_close_drains_in_flight(tmp_path):
+    h = aioswap.AioHandle()
+    t = _random_tensor(16 * MiB, torch.uint8, locked=False)
+    futs = [h.pwrite(t, tmp_path / f"c{i}.bin", async_op=True) for i in range(4)]
+    h.close()
+    assert all(f.done() and f.result() == t.numel() for f in futs)
+    for i in range(4):
+        assert (tmp_path / f"c{i}.bin").read_bytes() == _bytes_of(t)
+    h.close()                                   # idempotent
+    with pytest.raises(HandleClosedError):
+        h.pwrite(t, tmp_path / "x.bin")
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_before_any_io(tmp_path, handle):
+    f = tmp_path / "small.bin"
+    f.write_bytes(b"z" * 4096)
+    before = f.read_bytes()
+    with pytest.raises(ShortReadError, match=r"small\.bin.*4096 bytes"):
+        handle.pread(torch.empty(8192, dtype=torch.uint8), f)
+    with pytest.raises(ShortReadError, match="past the end"):
+        handle.pread(torch.empty(10, dtype=torch.uint8), f, 4090)
+    with pytest.raises(ValueError, match=r"only 10 bytes"):
+        handle.pread(torch.empty(10, dtype=torch.uint8), f, nbytes=20)
+    with pytest.raises(ValueError, match="read-only"):
+        handle.pread(b"x" * 16, f)
+    with pytest.raises(FileNotFoundError):
+        handle.pread(torch.empty(10, dtype=torch.uint8), tmp_path / "missing.bin")
+    with pytest.raises(IsADirectoryError):
+        handle.pread(torch.empty(10, dtype=torch.uint8), tmp_path)
+    with pytest.raises(IsADirectoryError):
+        handle.pwrite(torch.empty(10, dtype=torch.uint8), tmp_path)
+    with pytest.raises(ValueError, match="negative file offset"):
+        handle.pwrite(torch.empty(10, dtype=torch.uint8), f, -1)
+    with pytest.raises(TypeError, match="buffer"):
+        handle.pwrite(12345, f)
+    with pytest.raises(TypeError, match="meta"):
+        handle.pwrite(torch.empty(10, device="meta"), f)
+    assert f.read_bytes() == before
+    assert not (tmp_path / "missing.bin").exists()
+    assert handle.stats.read_bytes == 0 and handle.stats.write_bytes == 0
+
+
+def test_fsync_and_empty(tmp_path, handle):
+    f = tmp_path / "e.bin"
+    assert handle.pwrite(torch.empty(0), f, fsync=True) == 0
+    assert f.exists() and f.stat().st_size == 0
+    assert handle.pread(torch.empty(0), f) == 0
+    assert handle.pwrite(torch.ones(3), f, fsync=True) == 12
+
+
+def test_rlimit_fsize_error_in_subprocess(tmp_path):
+    code = f"""
+import os, resource, signal, sys, torch, aioswap
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+t = torch.arange(3 << 18, dtype=torch.int32)   # 3 MiB
+with aioswap.AioHandle(block_size=1 << 18) as h:
+    try:
+        h.pwrite(t, {str(tmp_path / 'big.bin')!r})
+    except OSError as e:
+        print('ERRNO', e.errno, e)
+        sys.exit(0)
+print('NO ERROR'); sys.exit(1)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ERRNO 27" in r.stdout and "big.bin" in r.stdout
+    raw = (tmp_path / "big.bin").read_bytes()
+    assert len(raw) <= 1 << 20
+    expect = torch.arange(3 << 18, dtype=torch.int32).numpy().tobytes()
+    assert raw == expect[:len(raw)]              # intact up to the limit
+
+
+# ---------------------------------------------------------------------------- resources
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _vmlck() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmLck:"):
+                return int(line.split()[1])
+    return 0
+
+
+def test_no_fd_or_locked_memory_growth(tmp_path):
+    f = tmp_path / "leak.bin"
+    small = _random_tensor(8192 + 17, torch.uint8, locked=False)
+    locked = _random_tensor(8192, torch.uint8, locked=True)
+    with aioswap.AioHandle(block_size=4096, queue_depth=4) as h:
+        h.pwrite(small, f)
+        h.pread(small, f)
+        gc.collect()
+        fds, lck = _fds(), _vmlck()
+        for i in range(2500):
+            h.pwrite(small, f)
+            h.pread(small, f)
+            h.pwrite(locked, f, 4096)
+            h.pread(locked, f, 4096)
+        assert h.stats.bounce_bytes > 0 and h.stats.direct_bytes > 0
+        assert _fds() == fds
+        assert _vmlck() == lck
+    del locked
+    gc.collect()
+
+
+def test_bounce_pool_is_bounded_and_reused(tmp_path):
+    with aioswap.AioHandle(block_size=MiB, queue_depth=8) as h:
+        assert h.bounce_pool_bytes == 8 * MiB
+        t = _random_tensor(40 * MiB, torch.uint8, locked=False)
+        before = pinned.registry.stats()
+        h.pwrite(t, tmp_path / "b.bin")
+        mid = pinned.registry.stats()
+        h.pwrite(t, tmp_path / "b.bin")
+        h.pread(t, tmp_path / "b.bin")
+        after = pinned.registry.stats()
+        assert mid.bytes_locked - before.bytes_locked <= 8 * MiB
+        assert after.bytes_locked == mid.bytes_locked        # the pool is reused, not regrown
+
+
+def test_peak_rss_writing_unpinned_tensor(tmp_path):
+    size = int(os.environ.get("AIOSWAP_TEST_RSS_BYTES", str(512 * MiB)))
+    code = f"""
+import resource, torch, aioswap
+t = torch.ones({size}, dtype=torch.uint8)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+with aioswap.AioHandle() as h:
+    pool = h.bounce_pool_bytes
+    h.pwrite(t, {str(tmp_path / 'rss.bin')!r})
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(base, peak, pool)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    base, peak, pool = map(int, r.stdout.split())
+    assert peak - base <= pool + 64 * MiB, (base, peak, pool)
+    assert os.path.getsize(tmp_path / "rss.bin") == size
+
+
+# ---------------------------------------------------------------------------- buffered
+
+
+def test_buffered_fallback_warns_once(ramfs):
+    f1, f2 = ramfs / "w1.bin", ramfs / "w2.bin"
+    t = _random_tensor(MiB, torch.uint8, locked=True)
+    with aioswap.AioHandle() as h:
+        with pytest.warns(DirectIOFallbackWarning, match="O_DIRECT"):
+            h.pwrite(t, f1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            h.pwrite(t, f2)
+        assert h.stats.buffered_bytes == 2 * MiB and h.stats.direct_bytes == 0
+    assert f1.read_bytes() == _bytes_of(t) == f2.read_bytes()
+
+
+# ---------------------------------------------------------------------------- compat
+
+
+def test_deepnvme_compat(tmp_path):
+    f = str(tmp_path / "ds.bin")
+    h = deepnvme.aio_handle()
+    try:
+        assert (h.get_block_size(), h.get_queue_depth(), h.get_single_submit(),
+                h.get_overlap_events(), h.get_intra_op_parallelism()) == (
+                    1048576, 128, False, False, 1)
+        assert h.get_alignment() > 0
+        t = h.new_cpu_locked_tensor(MiB, torch.empty(0, dtype=torch.float16))
+        assert t.dtype == torch.float16 and h.is_pinned(t)
+        t.copy_(torch.randn(MiB).half())
+        assert h.sync_pwrite(t, f) == 1
+        out = torch.empty_like(t)
+        assert h.sync_pread(out, f) == 1 and torch.equal(out, t)
+        assert h.async_pwrite(t, f, 0) == 0
+        assert h.wait() == 1
+        assert h.wait() == 0
+        fd = os.open(f, os.O_RDWR)
+        assert h.async_pwrite(t, fd) == 0
+        assert h.wait() == 1
+        os.close(fd)
+        assert h.async_pread(out, f) == 0 and h.wait() == 1
+        assert h.read(out, f, True) == 0 and h.write(t, f, True, 0) == 0
+        assert h.pread(out, f, True, False) == 1
+        assert h.pwrite(t, f, False, True, 0) == 0 and h.wait() == 1
+        with pytest.raises(ShortReadError):
+            h.sync_pread(torch.empty(2 * MiB, dtype=torch.float16), f)
+        assert h.free_cpu_locked_tensor(t) is True
+    finally:
+        h.close()
+
+
+def test_handle_from_config():
+    cfg = aioswap.AioConfig(block_size=2 * MiB, queue_depth=16, intra_op_parallelism=2,
+                            single_submit=True, overlap_events=False)
+    with aioswap.AioHandle.from_config(cfg) as h:
+        assert (h.block_size, h.queue_depth, h.intra_op_parallelism, h.single_submit,
+                h.overlap_events) == (2 * MiB, 16, 2, True, False)
+    with pytest.raises(aioswap.ConfigError):
+        aioswap.AioHandle(block_size=1000)
+
+
+def test_unprivileged_process_without_memlock(tmp_path):
+    """Without CAP_IPC_LOCK and with a tiny RLIMIT_MEMLOCK the bounce pool falls back."""
+    import shutil
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv is not installed")
+    code = f"""
+import os, warnings, torch, aioswap
+warnings.simplefilter("always")
+t = torch.arange(1 << 20, dtype=torch.int32)
+with warnings.catch_warnings(record=True) as w:
+    with aioswap.AioHandle() as h:
+        h.pwrite(t, {str(tmp_path / 'np.bin')!r})
+        out = torch.empty_like(t)
+        h.pread(out, {str(tmp_path / 'np.bin')!r})
+        h.pwrite(t, {str(tmp_path / 'np.bin')!r})
+assert torch.equal(out, t)
+print("WARNINGS", len(w), w[0].message if w else "")
+"""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 1024, 64 * 1024))
+    r = subprocess.run(["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", "--",
+                        sys.executable, "-c", code], capture_output=True, text=True,
+                       preexec_fn=limit)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "WARNINGS 1" in r.stdout, r.stdout
