@@ -113,8 +113,9 @@ class _Mem:
 
     def flat_tensor(self) -> Any:
         """A flat uint8 tensor over a contiguous tensor buffer."""
-        t = self.tensor
-        return t.detach().reshape(-1).view(_torch().uint8)
+        t = self.tensor.detach()
+        # as_strided, not reshape: a 1-element tensor may be "contiguous" with any stride
+        return t.as_strided((t.numel(),), (1,)).view(_torch().uint8)
 
 
 def _resolve(buffer: Any) -> _Mem:
@@ -584,11 +585,13 @@ class AioHandle:
             if isinstance(file, int):
                 name = f"fd {file}"
                 mode = _fd_mode(file, name, write)
-                if _is_direct(file):
-                    direct_fd: int | None = file
+                # requests own their descriptors, so the caller may close ``file`` while an
+                # asynchronous request is queued
+                if mode & os.O_DIRECT:
+                    direct_fd: int | None = _own(os.dup(file), owned)
                     buffered_fd = _reopen(file, mode & ~os.O_DIRECT, owned)
                 else:
-                    buffered_fd = file
+                    buffered_fd = _own(os.dup(file), owned)
                     direct_fd = self._try_direct(lambda: _reopen(file, mode | os.O_DIRECT,
                                                                  owned), name)
             else:
@@ -866,11 +869,6 @@ def _fd_mode(fd: int, name: str, write: bool) -> int:
     if not write and acc == os.O_WRONLY:
         raise PermissionError(errno.EBADF, f"{name} is not open for reading")
     return flags & (os.O_ACCMODE | os.O_DIRECT)
-
-
-def _is_direct(fd: int) -> bool:
-    import fcntl
-    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
 
 
 def _check_regular(fd: int, name: str) -> None:

@@ -53,7 +53,8 @@ def _pread(path, n: int, offset: int = 0) -> bytes:
 
 def _bytes_of(x) -> bytes:
     if isinstance(x, torch.Tensor):
-        return x.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        c = x.detach().contiguous()
+        return c.as_strided((c.numel(),), (1,)).view(torch.uint8).numpy().tobytes()
     return np.ascontiguousarray(x).tobytes()
 
 
