@@ -146,8 +146,9 @@ def _validate(buffer: Any, filename: FileArg, file_offset: int) -> None:
     from aioswap.handle import _resolve
     mem = _resolve(buffer)
     if mem.tensor is not None:
-        data = mem.tensor.detach().cpu().contiguous().reshape(-1).view(
-            __import__("torch").uint8).numpy().tobytes()
+        import torch
+        c = mem.tensor.detach().cpu().contiguous()
+        data = c.as_strided((c.numel(),), (1,)).view(torch.uint8).numpy().tobytes()
     else:
         data = np.ascontiguousarray(mem.array).tobytes()
     if isinstance(filename, int):
