@@ -5,6 +5,7 @@ from aioswap.errors import (AioswapError, AioswapWarning, ChecksumError, ConfigE
                             CuFileError, CuFileUnavailable, DirectIOFallbackWarning,
                             DirectIOUnsupportedError, HandleClosedError, PinnedMemoryError,
                             ShortReadError, SwapError)
+from aioswap.gds import GdsHandle
 from aioswap.handle import AioHandle, HandleStats, IOFuture
 from aioswap.pinned import PinnedRegistry, is_pinned
 
@@ -22,6 +23,7 @@ __all__ = [
     "CuFileUnavailable",
     "DirectIOFallbackWarning",
     "DirectIOUnsupportedError",
+    "GdsHandle",
     "HandleClosedError",
     "HandleStats",
     "IOFuture",

@@ -1,0 +1,125 @@
+"""GdsHandle: CUDA tensors through NVIDIA cuFile (GPUDirect Storage), CPU tensors through AIO.
+
+cuFile is loaded with ``dlopen`` on first use (see :mod:`aioswap._cufile`); building and
+importing aioswap never needs CUDA. Constructing a :class:`GdsHandle` where the library or a
+GPU is missing raises :class:`~aioswap.errors.CuFileUnavailable` naming what is missing.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from aioswap import _cufile, pinned
+from aioswap.errors import CuFileUnavailable
+from aioswap.handle import AioHandle, _File, _Mem, _torch
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["GdsHandle"]
+
+
+class GdsHandle(AioHandle):
+    """The :class:`~aioswap.AioHandle` surface with CUDA tensors moved by cuFile.
+
+    CUDA tensors whose memory was registered with :meth:`pin_device_tensor` (or allocated
+    with :meth:`new_pinned_device_tensor`) are read and written directly by cuFile; other
+    CUDA tensors go through cuFile's own staging buffers. CPU tensors, numpy arrays and
+    buffers take the kernel AIO paths of :class:`~aioswap.AioHandle`.
+
+    Parameters are those of :class:`~aioswap.AioHandle`; ``config`` is an optional cuFile
+    JSON configuration (a dict or a path), written to a private temporary file.
+
+    Raises
+    ------
+    CuFileUnavailable
+        libcufile cannot be loaded, or torch sees no CUDA device.
+    """
+
+    def __init__(self, *args: Any, config: Any = None, **kwargs: Any) -> None:
+        self._driver: Any = None
+        self._pins: dict[int, tuple[Any, Any]] = {}
+        self._pin_lock = threading.Lock()
+        _cufile.load()
+        torch = _torch()
+        if torch is None:
+            try:
+                import torch
+            except ImportError:
+                raise CuFileUnavailable("GdsHandle needs torch with CUDA; torch is not "
+                                        "installed") from None
+        if not torch.cuda.is_available():
+            raise CuFileUnavailable("GdsHandle needs a CUDA device: torch.cuda.is_available() "
+                                    "is False")
+        self._driver = _cufile.Driver(config)
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException:
+            self._driver.close()
+            raise
+
+    # -- device memory -----------------------------------------------------------------
+    def pin_device_tensor(self, tensor: torch.Tensor) -> None:
+        """Register a contiguous CUDA tensor's memory with cuFile (and the registry)."""
+        if tensor.device.type != "cuda" or not tensor.is_contiguous():
+            raise ValueError("pin_device_tensor needs a contiguous CUDA tensor, got "
+                             f"{tensor.device} {'contiguous' if tensor.is_contiguous() else 'strided'}")
+        ptr, n = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        with self._pin_lock:
+            if ptr in self._pins:
+                raise ValueError(f"device memory at {ptr:#x} is already pinned by this handle")
+            _cufile.buf_register(ptr, n, 0, tensor)
+            try:
+                reg = pinned.register(ptr, n, device=True, owner=tensor)
+            except BaseException:
+                _cufile.buf_deregister(ptr)
+                raise
+            self._pins[ptr] = (tensor, reg)
+
+    def unpin_device_tensor(self, tensor: torch.Tensor) -> None:
+        """Undo :meth:`pin_device_tensor`."""
+        ptr = tensor.data_ptr()
+        with self._pin_lock:
+            entry = self._pins.pop(ptr, None)
+        if entry is None:
+            raise ValueError(f"device memory at {ptr:#x} was not pinned by this handle")
+        entry[1].close()
+        _cufile.buf_deregister(ptr)
+
+    def new_pinned_device_tensor(self, numel: int, dtype: torch.dtype,
+                                 device: Any = "cuda") -> torch.Tensor:
+        """A new CUDA tensor registered with cuFile; release with :meth:`unpin_device_tensor`."""
+        t = _torch().empty(numel, dtype=dtype, device=device)
+        self.pin_device_tensor(t)
+        return t
+
+    # -- requests ------------------------------------------------------------------------
+    def _execute(self, op: str, mem: _Mem, f: _File, offset: int, n: int) -> int:
+        if not mem.cuda or n == 0:
+            return super()._execute(op, mem, f, offset, n)
+        if not mem.contiguous:
+            return self._noncontiguous(op, mem, f, offset, n)
+        fd = f.direct_fd if f.direct_fd is not None else f.buffered_fd
+        rng = _cufile.registered_range(mem.addr, n)
+        base, buf_off = (rng[0], mem.addr - rng[0]) if rng is not None else (mem.addr, 0)
+        with _cufile.CuFileHandle(fd, write=op == "write") as cf:
+            if op == "write":
+                done = cf.write(base, n, offset, buf_off)
+            else:
+                done = cf.read(base, n, offset, buf_off)
+        self._count(**{"direct_bytes" if rng is not None else "bounce_bytes": done})
+        return int(done)
+
+    def close(self) -> None:
+        """Finish in-flight requests, deregister pinned device memory, close the driver."""
+        try:
+            super().close()
+        finally:
+            with self._pin_lock:
+                pins, self._pins = list(self._pins.items()), {}
+            for ptr, (_t, reg) in pins:
+                reg.close()
+                _cufile.buf_deregister(ptr)
+            driver, self._driver = self._driver, None
+            if driver is not None:
+                driver.close()
