@@ -237,7 +237,7 @@ def run_bench(directory: str, size: int, *, block_size: int, queue_depth: int,
               progress: bool) -> dict[str, Any]:
     """Measure aioswap direct and bounce against buffered Python I/O on ``size`` bytes."""
     import torch
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
 
     from aioswap import pinned
     from aioswap.handle import AioHandle
@@ -288,7 +288,7 @@ def run_bench(directory: str, size: int, *, block_size: int, queue_depth: int,
             if stats.direct_bytes < 2 * size or stats.bounce_bytes < 2 * size:
                 raise RuntimeError(f"paths not taken as planned: {stats}")
             step("buffered write")
-            mv = memoryview(plain.numpy())
+            mv = memoryview(plain.numpy())  # type: ignore[arg-type]
 
             def buffered_write() -> None:
                 with open(path, "wb") as f:
@@ -404,7 +404,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         probe = _probe_direct(d)
         if not probe["o_direct"]:
             raise UsageError(f"the file system of {d!r} refuses O_DIRECT ({probe['reason']})")
-    direction = "write" if args.no_read else "read" if args.no_write else "both"
+    direction: tune.Direction = ("write" if args.no_read else
+                                 "read" if args.no_write else "both")
     return tune.main_from_cli(dirs=dirs, io_size=args.io_size, direction=direction,
                               use_gds=args.gds, search=args.search, log_dir=args.log_dir,
                               output=args.output, plot=args.plot, as_json=args.json,

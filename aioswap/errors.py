@@ -19,6 +19,7 @@ __all__ = [
     "PinnedMemoryError",
     "ShortReadError",
     "SwapError",
+    "TuneError",
 ]
 
 
@@ -64,6 +65,10 @@ class CuFileUnavailable(AioswapError, RuntimeError):
 
 class CuFileError(AioswapError, OSError):
     """A cuFile call failed. ``errno`` holds the errno or the cuFile error code (>= 5000)."""
+
+
+class TuneError(AioswapError, RuntimeError):
+    """The sweep gave nothing to recommend (every point failed, or none in that direction)."""
 
 
 class SwapError(AioswapError, RuntimeError):

@@ -89,7 +89,7 @@ class GdsHandle(AioHandle):
     def new_pinned_device_tensor(self, numel: int, dtype: torch.dtype,
                                  device: Any = "cuda") -> torch.Tensor:
         """A new CUDA tensor registered with cuFile; release with :meth:`unpin_device_tensor`."""
-        t = _torch().empty(numel, dtype=dtype, device=device)
+        t: torch.Tensor = _torch().empty(numel, dtype=dtype, device=device)
         self.pin_device_tensor(t)
         return t
 

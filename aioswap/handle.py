@@ -762,8 +762,9 @@ class AioHandle:
                     pending = self._io.submit(self._engine, ctx, False, bufs[0],
                                               pieces[0][1], f, file_off)
                     for i, (s, size) in enumerate(pieces):
-                        pending.result()
-                        pending = None
+                        current, pending = pending, None
+                        assert current is not None
+                        current.result()
                         if i + 1 < len(pieces):
                             s2, size2 = pieces[i + 1]
                             pending = self._io.submit(self._engine, ctx, False,

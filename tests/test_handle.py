@@ -507,6 +507,12 @@ def test_deepnvme_compat(tmp_path):
         assert h.read(out, f, True) == 0 and h.write(t, f, True, 0) == 0
         assert h.pread(out, f, True, False) == 1
         assert h.pwrite(t, f, False, True, 0) == 0 and h.wait() == 1
+        assert h.pwrite(t, f, True, True, 0) == 0 and h.wait() == 1     # validated after
+        assert h.pread(out, f, True, True) == 0
+        assert h.handle.wait() == 1          # the read is done, its validation still queued
+        out.fill_(0)          # the buffer no longer matches the file: validation must fail
+        with pytest.raises(ValueError, match="validation failed"):
+            h.wait()
         with pytest.raises(ShortReadError):
             h.sync_pread(torch.empty(2 * MiB, dtype=torch.float16), f)
         assert h.free_cpu_locked_tensor(t) is True

@@ -25,13 +25,15 @@ __all__ = ["aio_handle", "gds_handle"]
 class aio_handle:  # noqa: N801  (DeepNVMe's spelling)
     """DeepNVMe-compatible handle. See the module docstring for the differences."""
 
-    _impl_class: type[AioHandle] = AioHandle
-
     def __init__(self, block_size: int = 1048576, queue_depth: int = 128,
                  single_submit: bool = False, overlap_events: bool = False,
                  intra_op_parallelism: int = 1) -> None:
-        self._h = self._impl_class(block_size, queue_depth, single_submit, overlap_events,
+        self._h = self._new_handle(block_size, queue_depth, single_submit, overlap_events,
                                    intra_op_parallelism)
+        self._to_validate: list[tuple[IOFuture, Any, FileArg, int]] = []
+
+    def _new_handle(self, *knobs: Any) -> AioHandle:
+        return AioHandle(*knobs)
 
     # -- knobs ---------------------------------------------------------------------------
     def get_block_size(self) -> int:
@@ -95,8 +97,17 @@ class aio_handle:  # noqa: N801  (DeepNVMe's spelling)
         return self.pwrite(buffer, filename, False, True, file_offset)
 
     def wait(self) -> int:
-        """Finish the queued asynchronous operations; return how many (0 when none)."""
-        return self._h.wait()
+        """Finish the queued asynchronous operations; return how many (0 when none).
+
+        Operations submitted with ``validate=True`` are compared with the file afterwards.
+        """
+        try:
+            return self._h.wait()
+        finally:
+            checks, self._to_validate = self._to_validate, []
+            for fut, buffer, filename, offset in checks:
+                if fut.exception() is None:
+                    _validate(buffer, filename, offset)
 
     # -- locked memory ---------------------------------------------------------------------
     def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any) -> Any:
@@ -130,8 +141,7 @@ class aio_handle:  # noqa: N801  (DeepNVMe's spelling)
         if async_op:
             fut: IOFuture = fn(buffer, filename, file_offset, async_op=True)
             if validate:
-                fut.add_done_callback(
-                    lambda f: f.exception() or _validate(buffer, filename, file_offset))
+                self._to_validate.append((fut, buffer, filename, file_offset))
             return 0
         fn(buffer, filename, file_offset)
         if validate:
@@ -168,12 +178,9 @@ class gds_handle(aio_handle):  # noqa: N801  (DeepNVMe's spelling)
     Raises :class:`aioswap.errors.CuFileUnavailable` when cuFile or a GPU is missing.
     """
 
-    def __init__(self, block_size: int = 1048576, queue_depth: int = 128,
-                 single_submit: bool = False, overlap_events: bool = False,
-                 intra_op_parallelism: int = 1) -> None:
+    def _new_handle(self, *knobs: Any) -> AioHandle:
         from aioswap.gds import GdsHandle
-        self._h = GdsHandle(block_size, queue_depth, single_submit, overlap_events,
-                            intra_op_parallelism)
+        return GdsHandle(*knobs)
 
     def new_pinned_device_tensor(self, num_elem: int, example_tensor: Any) -> Any:
         return self._h.new_pinned_device_tensor(num_elem, example_tensor.dtype)  # type: ignore[attr-defined]

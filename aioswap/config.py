@@ -1,0 +1,307 @@
+"""The ``"aio"`` configuration section: strict parsing, exact emission, one set of defaults.
+
+:class:`AioConfig` reads the section as DeepSpeed spells it (``block_size``, ``queue_depth``,
+``intra_op_parallelism``, ``single_submit``, ``overlap_events``, ``use_gds``) and writes back
+exactly those keys with JSON booleans, so what aioswap prints, aioswap and DeepSpeed's
+``get_aio_config`` both read back unchanged.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aioswap.errors import ConfigError
+
+__all__ = ["AIO_SECTION", "DEFAULT_CONFIG", "MAX_BLOCK_SIZE", "AioConfig"]
+
+#: Name of the section in a DeepSpeed-style configuration.
+AIO_SECTION = "aio"
+
+#: Block sizes must be multiples of this (the largest common O_DIRECT alignment).
+BLOCK_ALIGN = 4096
+
+#: Linux caps one read/write at ``MAX_RW_COUNT`` = ``INT_MAX & PAGE_MASK`` bytes; a larger
+#: block would always come back short.
+MAX_BLOCK_SIZE = 0x7FFFF000
+
+#: ``io_setup`` takes an unsigned int, but the kernel's ``aio-max-nr`` default is 65536.
+MAX_QUEUE_DEPTH = 65535
+
+_INT_KEYS = ("block_size", "queue_depth", "intra_op_parallelism")
+_BOOL_KEYS = ("single_submit", "overlap_events", "use_gds")
+_KEYS = ("block_size", "queue_depth", "intra_op_parallelism",
+         "single_submit", "overlap_events", "use_gds")
+
+# Spellings seen in the wild that mean one of our keys but that no loader reads under that
+# name: DeepSpeed's ds_nvme_tune prints ``num_threads`` (older versions ``thread_count``),
+# and fio users write ``iodepth``/``bs``. They are errors, never silently accepted, but the
+# message names the right key.
+_ALIASES = {
+    "num_threads": "intra_op_parallelism",
+    "thread_count": "intra_op_parallelism",
+    "threads": "intra_op_parallelism",
+    "num_workers": "intra_op_parallelism",
+    "parallelism": "intra_op_parallelism",
+    "intra_op_parallel": "intra_op_parallelism",
+    "io_parallelism": "intra_op_parallelism",
+    "iodepth": "queue_depth",
+    "io_depth": "queue_depth",
+    "qd": "queue_depth",
+    "queue_size": "queue_depth",
+    "bs": "block_size",
+    "blocksize": "block_size",
+    "block": "block_size",
+    "gds": "use_gds",
+    "overlap": "overlap_events",
+    "submit": "single_submit",
+}
+
+
+def _suggest(key: str) -> str:
+    """``" (did you mean 'x'?)"`` for an unknown key, or ``""`` when nothing is close."""
+    lowered = key.lower() if isinstance(key, str) else key
+    if lowered in _KEYS and lowered != key:
+        return f"; did you mean {lowered!r}?"
+    if lowered in _ALIASES:
+        return (f"; did you mean {_ALIASES[lowered]!r}? ({key!r} is not read by aioswap's "
+                f"or DeepSpeed's loader)")
+    if isinstance(key, str):
+        close = difflib.get_close_matches(lowered, _KEYS, n=1, cutoff=0.6)
+        if close:
+            return f"; did you mean {close[0]!r}?"
+    return ""
+
+
+def _check_int(key: str, value: Any) -> tuple[int | None, str | None]:
+    """Coerce an integer field: ints, and floats with an integral value (``4096.0``)."""
+    if isinstance(value, bool):
+        return None, f"{key} must be an integer, got the boolean {json.dumps(value)}"
+    if isinstance(value, int):
+        return int(value), None
+    if isinstance(value, float):
+        if math.isfinite(value) and value.is_integer():
+            return int(value), None
+        return None, f"{key} must be an integer, got {value!r}"
+    # numpy integers and other integral numbers: accept through __index__, never strings.
+    if not isinstance(value, (str, bytes)) and hasattr(type(value), "__index__"):
+        return int(value.__index__()), None
+    return None, f"{key} must be an integer, got {type(value).__name__} {value!r}"
+
+
+def _check_bool(key: str, value: Any) -> tuple[bool | None, str | None]:
+    """Accept only real booleans: ``"false"`` is truthy in Python and a bug in a config."""
+    if isinstance(value, bool):
+        return value, None
+    if type(value).__name__ == "bool_":  # numpy.bool_, without importing numpy
+        return bool(value), None
+    if isinstance(value, str):
+        return None, (f"{key} must be a JSON boolean (true or false), got the string "
+                      f"{value!r}")
+    return None, f"{key} must be a JSON boolean (true or false), got {type(value).__name__} " \
+                 f"{value!r}"
+
+
+def _check_range(key: str, value: int) -> str | None:
+    if key == "block_size":
+        if value <= 0 or value % BLOCK_ALIGN:
+            return f"block_size must be a positive multiple of {BLOCK_ALIGN}, got {value}"
+        if value > MAX_BLOCK_SIZE:
+            return (f"block_size must be at most {MAX_BLOCK_SIZE} (the kernel's largest "
+                    f"single transfer), got {value}")
+    elif key == "queue_depth":
+        if not 1 <= value <= MAX_QUEUE_DEPTH:
+            return f"queue_depth must be between 1 and {MAX_QUEUE_DEPTH}, got {value}"
+    elif key == "intra_op_parallelism":
+        if value < 1:
+            return f"intra_op_parallelism must be at least 1, got {value}"
+    return None
+
+
+def _validate(values: Mapping[Any, Any]) -> dict[str, Any]:
+    """Check every key and value; return the normalised fields or raise one ConfigError."""
+    problems: list[str] = []
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in _KEYS:
+            problems.append(f"unknown key {key!r} in the {AIO_SECTION!r} section"
+                            f"{_suggest(key)}")
+            continue
+        if key in _INT_KEYS:
+            number, err = _check_int(key, value)
+            if err is None:
+                assert number is not None
+                err = _check_range(key, number)
+                out[key] = number
+        else:
+            out[key], err = _check_bool(key, value)
+        if err is not None:
+            problems.append(err)
+    if problems:
+        raise ConfigError("invalid aio config: " + "; ".join(problems))
+    return out
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """The ``"aio"`` section: how a handle cuts, queues and spreads its I/O.
+
+    Parameters
+    ----------
+    block_size : int
+        Bytes per kernel request; a positive multiple of 4096, at most ``0x7FFFF000``.
+    queue_depth : int
+        Requests in flight per AIO context, 1 to 65535.
+    intra_op_parallelism : int
+        Contiguous slices one request is split into, each on its own context; at least 1.
+    single_submit : bool
+        Submit one request per ``io_submit`` call instead of a batch.
+    overlap_events : bool
+        Keep the queue topped up while reaping (sliding window) instead of batch by batch.
+    use_gds : bool
+        Use GPUDirect Storage (cuFile) for CUDA tensors.
+
+    Raises
+    ------
+    ConfigError
+        A value has the wrong type (a bool or string where an integer belongs, a string
+        where a boolean belongs, a non-integral float) or is out of range.
+
+    Notes
+    -----
+    Integral floats such as ``4096.0`` are accepted and stored as ``int`` (JSON writers
+    sometimes emit them); ``1.5`` is refused. Booleans are never accepted as integers and
+    integers are never accepted as booleans.
+    """
+
+    block_size: int = 1 << 20
+    queue_depth: int = 32
+    intra_op_parallelism: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_gds: bool = False
+
+    def __post_init__(self) -> None:
+        fields = _validate({k: getattr(self, k) for k in _KEYS})
+        for key, value in fields.items():
+            if type(getattr(self, key)) is not type(value) or getattr(self, key) != value:
+                object.__setattr__(self, key, value)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> AioConfig:
+        """Read the section from ``{"aio": {...}}`` or from the inner dict itself.
+
+        Parameters
+        ----------
+        d : Mapping
+            Either a whole configuration holding an ``"aio"`` key (other top-level
+            sections, e.g. the rest of a DeepSpeed config, are ignored) or the ``"aio"``
+            section itself. Missing keys take the defaults.
+
+        Returns
+        -------
+        AioConfig
+
+        Raises
+        ------
+        ConfigError
+            ``d`` is not a mapping, has an unknown key (the message names the right one,
+            e.g. ``num_threads`` → ``intra_op_parallelism``), a wrongly typed value or a
+            value out of range. Every problem is listed in one message.
+        """
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"an aio config must be a mapping, got {type(d).__name__}")
+        section: Any = d
+        if AIO_SECTION in d:
+            section = d[AIO_SECTION]
+            if not isinstance(section, Mapping):
+                raise ConfigError(f"the {AIO_SECTION!r} section must be a mapping, "
+                                  f"got {type(section).__name__}")
+        return cls(**_validate(section))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The section as a plain dict: exactly the six keys, ints and real booleans."""
+        return {k: getattr(self, k) for k in _KEYS}
+
+    def to_json(self, *, wrap: bool = True, indent: int | None = 2) -> str:
+        """The section as JSON, ``{"aio": {...}}`` when ``wrap`` (the default).
+
+        Parameters
+        ----------
+        wrap : bool
+            Wrap the section in ``{"aio": ...}`` so it pastes into a DeepSpeed config.
+        indent : int or None
+            Passed to :func:`json.dumps`; ``None`` gives one line.
+
+        Returns
+        -------
+        str
+            JSON with ``true``/``false`` booleans, readable by :meth:`from_json`.
+        """
+        body: dict[str, Any] = self.to_dict()
+        return json.dumps({AIO_SECTION: body} if wrap else body, indent=indent)
+
+    @classmethod
+    def from_json(cls, text_or_path: str | os.PathLike[str]) -> AioConfig:
+        """Read the section from JSON text or from a JSON file.
+
+        Parameters
+        ----------
+        text_or_path : str or os.PathLike
+            JSON text (a string starting with ``{``) or the path of a JSON file, holding
+            ``{"aio": {...}}`` or the inner dict.
+
+        Returns
+        -------
+        AioConfig
+
+        Raises
+        ------
+        ConfigError
+            The text is not valid JSON, is not an object, repeats a key, or fails
+            :meth:`from_dict`.
+        OSError
+            The file cannot be read.
+        """
+        if isinstance(text_or_path, str) and text_or_path.lstrip().startswith("{"):
+            text, source = text_or_path, "JSON text"
+        else:
+            path = os.fspath(text_or_path)
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            source = repr(path)
+        try:
+            data = json.loads(text, object_pairs_hook=_no_duplicates)
+        except ValueError as e:  # json.JSONDecodeError or a duplicate key
+            raise ConfigError(f"cannot parse {source} as an aio config: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source} must hold a JSON object, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> AioConfig:
+        """A copy with some fields changed, validated like :meth:`from_dict`.
+
+        Raises
+        ------
+        ConfigError
+            An unknown field name or an invalid value.
+        """
+        return type(self).from_dict({**self.to_dict(), **changes})
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` refusing repeated keys, which json.loads keeps silently."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+#: The package's one set of defaults; handles, swappers and tools start from it.
+DEFAULT_CONFIG = AioConfig()
