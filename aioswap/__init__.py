@@ -8,6 +8,7 @@ from aioswap.errors import (AioswapError, AioswapWarning, ChecksumError, ConfigE
 from aioswap.gds import GdsHandle
 from aioswap.handle import AioHandle, HandleStats, IOFuture
 from aioswap.pinned import PinnedRegistry, is_pinned
+from aioswap.swap import SwapInfo, TensorSwapper
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,8 @@ __all__ = [
     "PinnedRegistry",
     "ShortReadError",
     "SwapError",
+    "SwapInfo",
+    "TensorSwapper",
     "__version__",
     "aio_available",
     "dio_alignment",

@@ -14,7 +14,7 @@ from cpython.buffer cimport (PyBUF_ANY_CONTIGUOUS, PyBUF_C_CONTIGUOUS, PyBUF_FOR
                              PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer)
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
-from libc.errno cimport EAGAIN, EINTR, EINVAL, EIO, ENOSYS, errno
+from libc.errno cimport EAGAIN, EINTR, EINVAL, EIO, EISDIR, ENOSYS, errno
 from libc.stdint cimport int64_t, uint16_t, uint64_t
 from libc.string cimport memset
 
@@ -31,6 +31,16 @@ MAX_DEPTH = 65535
 # io_submit() may answer EAGAIN with nothing of ours in flight when the system-wide
 # aio-max-nr is exhausted by others; yield and retry this many times before failing.
 cdef int _EAGAIN_RETRIES = 10000
+# How often a running transfer comes back to check for Python signal handlers.
+cdef double _SIGNAL_CHECK_S = 0.01
+
+cdef extern from "<time.h>" nogil:
+    ctypedef long time_t
+    struct timespec:
+        time_t tv_sec
+        long tv_nsec
+    int CLOCK_MONOTONIC
+    int clock_gettime(int clk, timespec* ts)
 
 
 cdef struct _Seg:
@@ -193,10 +203,24 @@ cdef int _reap(_Run* r) noexcept nogil:
     return 0
 
 
+cdef inline double _now() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
 cdef int _drive(_Run* r) noexcept nogil:
-    """Run the submit/reap loop to the end. Returns 0 when finished, -EINTR to check signals."""
+    """Run the submit/reap loop to the end. Returns 0 when finished, -EINTR to check signals.
+
+    Also returns -EINTR every ``_SIGNAL_CHECK_S`` seconds: a signal that lands while this
+    thread is in io_submit (not in io_getevents) produces no EINTR, and its Python handler
+    would otherwise wait for the whole transfer.
+    """
     cdef int j
+    cdef double deadline = _now() + _SIGNAL_CHECK_S
     while True:
+        if not r.stop and _now() > deadline:
+            return -EINTR
         if not r.stop and (r.overlap or r.inflight == 0):
             _prepare(r)
         if r.nready > 0:
@@ -404,7 +428,7 @@ cdef class AioContext:
             flags = (PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) if is_read else PyBUF_ANY_CONTIGUOUS
             try:
                 PyObject_GetBuffer(buf, &view, flags)
-            except BufferError as exc:
+            except (BufferError, ValueError) as exc:    # numpy refuses with ValueError
                 need = "a writable C-contiguous" if is_read else "a contiguous"
                 raise BufferError(f"{'read' if is_read else 'write'}{_in(path)} needs {need} "
                                   f"buffer, got {type(buf).__name__}: {exc}") from None
@@ -586,6 +610,8 @@ def open_direct(path, *, bint write=False, bint create=False, bint truncate=Fals
     except OSError as exc:
         if exc.errno != EINVAL:
             raise
+        if os.path.isdir(path):     # O_DIRECT on a directory is EINVAL on any file system
+            raise IsADirectoryError(EISDIR, "is a directory", os.fsdecode(path)) from None
         if not existed:
             try:
                 os.unlink(path)

@@ -363,11 +363,6 @@ def test_open_direct_directory(tmp_dir, kw):
         open_direct(tmp_dir, **kw)
 
 
-@pytest.mark.xfail(strict=True, raises=DirectIOUnsupportedError,
-                   reason="ENGINE BUG: open_direct(<directory>) read-only maps the kernel's "
-                          "EINVAL to DirectIOUnsupportedError ('the file system refuses "
-                          "O_DIRECT') on a file system that supports it, instead of "
-                          "IsADirectoryError")
 def test_open_direct_directory_read_only(tmp_dir):
     with pytest.raises(IsADirectoryError):
         open_direct(tmp_dir)
@@ -621,11 +616,6 @@ def test_signal_handler_exception_propagates(ctx, long_file):
     assert not ctx.closed
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "ENGINE BUG: signals are looked at only when io_getevents/io_submit fail with EINTR; a "
-    "signal that arrives while the thread runs io_submit or user code is handled only when "
-    "the whole transfer has finished (likely with small blocks at queue depth 1, where "
-    "io_submit takes most of the time). Non-strict: where the wait dominates it may pass."))
 def test_single_signal_handled_during_transfer(ctx, long_file):
     # one SIGALRM (think Ctrl-C) early in a long transfer must stop it early
     path, data = long_file
@@ -954,16 +944,8 @@ BAD_INPUTS = [
 ]
 
 
-# numpy refuses a buffer request with ValueError, which the engine lets through as is
-_NUMPY_BUG = pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason="ENGINE BUG: a non-contiguous or read-only numpy array raises numpy's ValueError "
-           "from PyObject_GetBuffer, not the documented BufferError (_aio.pyx catches only "
-           "BufferError around PyObject_GetBuffer)")
-
-
 @pytest.mark.parametrize("exc_type,call", [
-    pytest.param(exc, call, id=name, marks=[_NUMPY_BUG] if name.endswith("-numpy") else [])
+    pytest.param(exc, call, id=name, marks=[])
     for name, exc, call in BAD_INPUTS])
 def test_bad_input_raises_before_any_io(tmp_dir, exc_type, call):
     path = tmp_dir / "f.bin"
