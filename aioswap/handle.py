@@ -286,7 +286,10 @@ class _BouncePool:
                     _log.debug("cudaHostUnregister of the bounce pool failed: %s", exc)
                 self._cuda_registered = False
             if mem is not None:
-                pinned.free(mem)
+                try:
+                    pinned.free(mem)
+                except BufferError:
+                    pass    # a view of the pool is still alive: it goes with the last view
 
 
 # ----------------------------------------------------------------------------------------
@@ -340,8 +343,11 @@ class AioHandle:
         self._cfg = cfg
         lanes = cfg.intra_op_parallelism
         pool_bytes = queue_depth * block_size if bounce_bytes is None else int(bounce_bytes)
-        nbufs = max(2 * lanes, 2)
-        buf_bytes = max(block_size, (pool_bytes // nbufs) // block_size * block_size)
+        # Buffers of up to 4 MiB: a request pipelines several chunks, and several requests
+        # (async ops, lanes) bounce at once; at least one pair per lane.
+        buf_bytes = max(block_size, min(4 << 20, pool_bytes // max(2, 2 * lanes))
+                        // block_size * block_size)
+        nbufs = max(2 * lanes, 2, pool_bytes // buf_bytes // 2 * 2)
         self._pool = _BouncePool(nbufs, buf_bytes)
         self._lock = threading.Lock()
         self._stats = HandleStats()
