@@ -91,8 +91,10 @@ def _fs_type(path: str) -> str | None:
 
 
 def _check_dir(path: str) -> str:
-    if not os.path.isdir(path):
+    if not os.path.exists(path):
         raise UsageError(f"directory {path!r} does not exist")
+    if not os.path.isdir(path):
+        raise UsageError(f"{path!r} is not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
         raise UsageError(f"directory {path!r} is not writable")
     return os.path.abspath(path)
@@ -285,7 +287,8 @@ def run_bench(directory: str, size: int, *, block_size: int, queue_depth: int,
                 os.unlink(path)
                 results[label] = {"write_s": w, "read_s": r}
             stats = h.stats
-            if stats.direct_bytes < 2 * size or stats.bounce_bytes < 2 * size:
+            aligned = size - size % probe["dio_offset_align"]   # the rest is head/tail
+            if stats.direct_bytes < 2 * aligned or stats.bounce_bytes < 2 * aligned:
                 raise RuntimeError(f"paths not taken as planned: {stats}")
             step("buffered write")
             mv = memoryview(plain.numpy())  # type: ignore[arg-type]
@@ -404,6 +407,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
         probe = _probe_direct(d)
         if not probe["o_direct"]:
             raise UsageError(f"the file system of {d!r} refuses O_DIRECT ({probe['reason']})")
+    for what, target in (("--output", args.output), ("--plot", args.plot)):
+        if target is not None and not os.path.isdir(os.path.dirname(os.path.abspath(target))):
+            raise UsageError(f"{what} {target!r}: its directory does not exist")
+    if args.log_dir is not None and os.path.exists(args.log_dir) \
+            and not os.path.isdir(args.log_dir):
+        raise UsageError(f"--log-dir {args.log_dir!r} exists and is not a directory")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'aioswap[plot]'") from None
     direction: tune.Direction = ("write" if args.no_read else
                                  "read" if args.no_write else "both")
     return tune.main_from_cli(dirs=dirs, io_size=args.io_size, direction=direction,

@@ -311,9 +311,6 @@ def test_bench_default_dir_is_cwd(disk: Path) -> None:
     assert listing(disk) == []
 
 
-@pytest.mark.xfail(strict=True, reason="cli.py bug: run_bench's 'paths not taken as planned' "
-                   "check ignores head/tail bytes, so a size that is not a multiple of the DIO "
-                   "alignment ends in a RuntimeError traceback (exit 1)")
 def test_bench_odd_size(disk: Path) -> None:
     done = run_cli("bench", "--dir", disk, "--size", "1000", "--no-progress")
     assert done.returncode in (0, 2), done.stderr
@@ -516,4 +513,13 @@ def test_bad_size_in_process(disk: Path, capsys: pytest.CaptureFixture[str]) -> 
         main(["bench", "--dir", str(disk), "--size", "0"])
     assert exc.value.code == 2
     assert "size must be positive" in capsys.readouterr().err
+    assert listing(disk) == []
+
+
+@pytest.mark.parametrize("flag", ["--output", "--plot"])
+def test_tune_bad_output_path_fails_before_sweeping(disk: Path, flag: str) -> None:
+    done = run_cli("tune", "--dir", disk, "--io-size", "4M", flag,
+                   str(disk / "missing-dir" / "x.out"), "--no-progress")
+    assert done.returncode == 2, done.stderr
+    assert "directory does not exist" in done.stderr and "Traceback" not in done.stderr
     assert listing(disk) == []
