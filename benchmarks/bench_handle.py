@@ -80,7 +80,14 @@ def load_deepspeed():
 
 def run_deepspeed(ops, src, dst, path, bs, qd) -> tuple[float, float]:
     h = ops.aio_handle(bs, qd, False, True, 1)
-    w = timed(lambda: (h.sync_pwrite(src, path), os.fsync(os.open(path, os.O_RDONLY))))
+    def write() -> None:
+        h.sync_pwrite(src, path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    w = timed(write)
     drop_cache(path)
     r = timed(lambda: h.sync_pread(dst, path))
     if not torch.equal(src, dst):
