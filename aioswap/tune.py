@@ -28,14 +28,13 @@ import os
 import re
 import tempfile
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal, Optional, Union
 
 from aioswap.config import DEFAULT_CONFIG, AioConfig
-from aioswap.errors import AioswapError, TuneError
+from aioswap.errors import TuneError
 
 if TYPE_CHECKING:
     import torch
