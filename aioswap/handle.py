@@ -891,7 +891,7 @@ def _check_regular_st(st: os.stat_result, name: str) -> None:
 
 def _copy_prefix_tensor(dst: Any, src: Any, n: int) -> None:
     """Copy the first ``n`` bytes (in logical element order) of ``src`` into ``dst``."""
-    k = -(-n // dst.element_size())
+    k = n // dst.element_size()             # whole elements: checked by the caller
     target = dst.detach()
     flat = target.flatten()                 # a copy, since dst is not contiguous
     flat[:k] = src.reshape(-1)[:k]
@@ -899,7 +899,7 @@ def _copy_prefix_tensor(dst: Any, src: Any, n: int) -> None:
 
 
 def _copy_prefix_array(dst: np.ndarray, src: np.ndarray, n: int) -> None:
-    k = -(-n // dst.itemsize)
+    k = n // dst.itemsize
     flat = dst.reshape(-1)                  # a copy when dst is not contiguous
     flat[:k] = src.reshape(-1)[:k]
     if not np.shares_memory(flat, dst):

@@ -555,3 +555,17 @@ print("WARNINGS", len(w), w[0].message if w else "")
                        preexec_fn=limit)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "WARNINGS 1" in r.stdout, r.stdout
+
+
+def test_partial_read_into_noncontiguous_buffers(tmp_path, handle):
+    f = tmp_path / "part.bin"
+    ref = os.urandom(4096)
+    f.write_bytes(ref)
+    t = torch.zeros(2048, dtype=torch.int32)[::2]               # 1024 elements, strided
+    assert handle.pread(t, f, nbytes=400) == 400
+    assert _bytes_of(t)[:400] == ref[:400] and not t[100:].any()
+    a = np.zeros(2048, dtype=np.int32)[::2]
+    assert handle.pread(a, f, nbytes=400) == 400
+    assert a.tobytes()[:400] == ref[:400] and not a[100:].any()
+    with pytest.raises(ValueError, match="whole elements"):
+        handle.pread(t, f, nbytes=401)
