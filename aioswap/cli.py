@@ -22,7 +22,7 @@ from typing import Any
 from aioswap import _aio
 from aioswap.errors import DirectIOUnsupportedError
 
-__all__ = ["main", "parse_size", "format_size"]
+__all__ = ["drop_cache", "format_size", "main", "parse_size"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -218,15 +218,17 @@ def _scratch(directory: str, stem: str) -> Iterator[str]:
             os.unlink(path)
 
 
-def _drop_cache(path: str) -> str:
-    """Evict the file's clean pages; returns how (for the report)."""
+_CACHE_NOTE = "page cache dropped with fsync + posix_fadvise(DONTNEED) before each read"
+
+
+def drop_cache(path: str) -> None:
+    """fsync ``path`` and evict its pages, so the next read comes from the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-    return "page cache dropped with fsync + posix_fadvise(DONTNEED) before each read"
 
 
 def _timed(fn: Any) -> float:
@@ -276,7 +278,7 @@ def run_bench(directory: str, size: int, *, block_size: int, queue_depth: int,
                 w = _timed(lambda: h.pwrite(buf, path, fsync=True))
                 bar.update()
                 step(f"{label} read")
-                _drop_cache(path)
+                drop_cache(path)
                 dst = torch.empty_like(buf) if label == "bounce" else pinned.empty(
                     size, torch.uint8, strict=False)
                 r = _timed(lambda: h.pread(dst, path))
@@ -301,7 +303,7 @@ def run_bench(directory: str, size: int, *, block_size: int, queue_depth: int,
             w = _timed(buffered_write)
             bar.update()
             step("buffered read")
-            how = _drop_cache(path)
+            drop_cache(path)
             out = bytearray(size)
 
             def buffered_read() -> None:
@@ -328,7 +330,7 @@ def run_bench(directory: str, size: int, *, block_size: int, queue_depth: int,
             "read_vs_buffered": base["read_s"] / res["read_s"],
         })
     return {"directory": directory, "size_bytes": size, "size": format_size(size),
-            "block_size": block_size, "queue_depth": queue_depth, "cache": how,
+            "block_size": block_size, "queue_depth": queue_depth, "cache": _CACHE_NOTE,
             "writes": "each write ends with fsync", "rows": rows}
 
 

@@ -41,6 +41,7 @@ import torch
 
 import aioswap
 from aioswap import pinned
+from aioswap.cli import drop_cache as _drop_cache
 from aioswap.cli import format_size, parse_size
 
 GB = 10**9
@@ -82,12 +83,7 @@ def resident_fraction(path: str) -> float:
 
 def drop_cache(path: str) -> float:
     """fsync, evict the file's pages; return the fraction still resident."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    _drop_cache(path)
     return resident_fraction(path)
 
 

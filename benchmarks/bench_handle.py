@@ -23,16 +23,7 @@ import torch
 
 import aioswap
 from aioswap import pinned
-from aioswap.cli import format_size, parse_size
-
-
-def drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+from aioswap.cli import drop_cache, format_size, parse_size
 
 
 def timed(fn) -> float:

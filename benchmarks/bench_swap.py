@@ -34,6 +34,7 @@ import torch
 
 import aioswap
 from aioswap import pinned
+from aioswap.cli import drop_cache as _drop_cache
 from aioswap.cli import format_size, parse_size
 
 try:
@@ -45,12 +46,7 @@ except ImportError:             # exported from aioswap.swap only
 def drop_cache(paths: list[str], how: str) -> None:
     """Make sure the next reads of ``paths`` come from the disk."""
     for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        _drop_cache(p)
     if how == "sysctl":
         os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as f:

@@ -22,7 +22,7 @@ import torch
 
 import aioswap
 from aioswap import pinned
-from aioswap.cli import format_size, parse_size
+from aioswap.cli import drop_cache, format_size, parse_size
 
 
 def timed(fn) -> float:
@@ -31,15 +31,6 @@ def timed(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return time.perf_counter() - t0
-
-
-def drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def round_trip(name, h, src, dst, path, size, rows, failures, offset=0):
