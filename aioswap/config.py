@@ -17,13 +17,11 @@ from typing import Any
 
 from aioswap.errors import ConfigError
 
-__all__ = ["AIO_SECTION", "DEFAULT_CONFIG", "MAX_BLOCK_SIZE", "AioConfig"]
+__all__ = ["AIO_SECTION", "DEFAULT_CONFIG", "MAX_BLOCK_SIZE", "MAX_PARALLELISM", "MAX_QUEUE_DEPTH",
+           "AioConfig"]
 
 #: Name of the section in a DeepSpeed-style configuration.
 AIO_SECTION = "aio"
-
-#: Block sizes must be multiples of this (the largest common O_DIRECT alignment).
-BLOCK_ALIGN = 4096
 
 #: Linux caps one read/write at ``MAX_RW_COUNT`` = ``INT_MAX & PAGE_MASK`` bytes; a larger
 #: block would always come back short.
@@ -31,6 +29,9 @@ MAX_BLOCK_SIZE = 0x7FFFF000
 
 #: ``io_setup`` takes an unsigned int, but the kernel's ``aio-max-nr`` default is 65536.
 MAX_QUEUE_DEPTH = 65535
+
+#: Each lane of ``intra_op_parallelism`` is a kernel context and a thread.
+MAX_PARALLELISM = 256
 
 _INT_KEYS = ("block_size", "queue_depth", "intra_op_parallelism")
 _BOOL_KEYS = ("single_submit", "overlap_events", "use_gds")
@@ -108,8 +109,10 @@ def _check_bool(key: str, value: Any) -> tuple[bool | None, str | None]:
 
 def _check_range(key: str, value: int) -> str | None:
     if key == "block_size":
-        if value <= 0 or value % BLOCK_ALIGN:
-            return f"block_size must be a positive multiple of {BLOCK_ALIGN}, got {value}"
+        # Any positive size works (DeepNVMe accepts any): handles round pieces to each
+        # file's O_DIRECT alignment internally.
+        if value <= 0:
+            return f"block_size must be positive, got {value}"
         if value > MAX_BLOCK_SIZE:
             return (f"block_size must be at most {MAX_BLOCK_SIZE} (the kernel's largest "
                     f"single transfer), got {value}")
@@ -117,8 +120,9 @@ def _check_range(key: str, value: int) -> str | None:
         if not 1 <= value <= MAX_QUEUE_DEPTH:
             return f"queue_depth must be between 1 and {MAX_QUEUE_DEPTH}, got {value}"
     elif key == "intra_op_parallelism":
-        if value < 1:
-            return f"intra_op_parallelism must be at least 1, got {value}"
+        if not 1 <= value <= MAX_PARALLELISM:
+            return (f"intra_op_parallelism must be between 1 and {MAX_PARALLELISM}, "
+                    f"got {value}")
     return None
 
 
@@ -153,11 +157,12 @@ class AioConfig:
     Parameters
     ----------
     block_size : int
-        Bytes per kernel request; a positive multiple of 4096, at most ``0x7FFFF000``.
+        Bytes per kernel request; any positive size up to ``0x7FFFF000`` (pieces are
+        rounded to each file's ``O_DIRECT`` alignment internally).
     queue_depth : int
         Requests in flight per AIO context, 1 to 65535.
     intra_op_parallelism : int
-        Contiguous slices one request is split into, each on its own context; at least 1.
+        Contiguous slices one request is split into, each on its own context; 1 to 256.
     single_submit : bool
         Submit one request per ``io_submit`` call instead of a batch.
     overlap_events : bool
