@@ -54,7 +54,7 @@ def test_every_grid_point_round_trips() -> None:
 
 points = st.builds(SweepPoint, block_size=st.integers(1, 1 << 18).map(lambda n: n * 4096),
                    queue_depth=st.integers(1, 65535), single_submit=st.booleans(),
-                   overlap_events=st.booleans(), intra_op_parallelism=st.integers(1, 512))
+                   overlap_events=st.booleans(), intra_op_parallelism=st.integers(1, 256))
 
 
 @given(points)
