@@ -4,21 +4,34 @@
 ``intra_op_parallelism``, ``single_submit``, ``overlap_events``, ``use_gds``) and writes back
 exactly those keys with JSON booleans, so what aioswap prints, aioswap and DeepSpeed's
 ``get_aio_config`` both read back unchanged.
+
+Two sets of defaults, on purpose, each used in one place:
+
+- :data:`DEFAULT_CONFIG` (queue depth 32) is what a handle, swapper or tool built without a
+  config uses: 32 requests of 1 MiB in flight keep an NVMe drive busy where 8 do not.
+  ``AIOSWAP_*`` environment variables override it (:func:`default_config`, :data:`ENVIRONMENT`).
+- :data:`DEEPSPEED_DEFAULTS` (queue depth 8, DeepSpeed's ``AIO_QUEUE_DEPTH_DEFAULT``) fills the
+  keys a section leaves out in :meth:`AioConfig.from_dict`, so a DeepSpeed config that omits
+  ``queue_depth`` behaves under aioswap as it does under DeepSpeed.
 """
 from __future__ import annotations
 
 import difflib
 import json
+import logging
 import math
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from aioswap.errors import ConfigError
+from aioswap._units import parse_size
+from aioswap.errors import AioswapWarning, ConfigError
 
-__all__ = ["AIO_SECTION", "DEFAULT_CONFIG", "MAX_BLOCK_SIZE", "MAX_PARALLELISM", "MAX_QUEUE_DEPTH",
-           "AioConfig"]
+__all__ = ["AIO_SECTION", "DEEPSPEED_DEFAULTS", "DEFAULT_CONFIG", "ENVIRONMENT", "MAX_BLOCK_SIZE",
+           "MAX_PARALLELISM", "MAX_QUEUE_DEPTH", "AioConfig", "RuntimeSettings", "default_config",
+           "runtime_settings"]
 
 #: Name of the section in a DeepSpeed-style configuration.
 AIO_SECTION = "aio"
@@ -197,7 +210,8 @@ class AioConfig:
                 object.__setattr__(self, key, value)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> AioConfig:
+    def from_dict(cls, d: Mapping[str, Any], *,
+                  defaults: AioConfig | None = None) -> AioConfig:
         """Read the section from ``{"aio": {...}}`` or from the inner dict itself.
 
         Parameters
@@ -205,7 +219,11 @@ class AioConfig:
         d : Mapping
             Either a whole configuration holding an ``"aio"`` key (other top-level
             sections, e.g. the rest of a DeepSpeed config, are ignored) or the ``"aio"``
-            section itself. Missing keys take the defaults.
+            section itself.
+        defaults : AioConfig, optional
+            Values of the keys the section leaves out. By default DeepSpeed's
+            (:data:`DEEPSPEED_DEFAULTS`: queue depth 8), so a partial DeepSpeed section means
+            what it means to DeepSpeed; pass :data:`DEFAULT_CONFIG` for aioswap's.
 
         Returns
         -------
@@ -226,7 +244,8 @@ class AioConfig:
             if not isinstance(section, Mapping):
                 raise ConfigError(f"the {AIO_SECTION!r} section must be a mapping, "
                                   f"got {type(section).__name__}")
-        return cls(**_validate(section))
+        base = DEEPSPEED_DEFAULTS if defaults is None else defaults
+        return cls(**{**base.to_dict(), **_validate(section)})
 
     def to_dict(self) -> dict[str, Any]:
         """The section as a plain dict: exactly the six keys, ints and real booleans."""
@@ -295,7 +314,7 @@ class AioConfig:
         ConfigError
             An unknown field name or an invalid value.
         """
-        return type(self).from_dict({**self.to_dict(), **changes})
+        return type(self).from_dict({**self.to_dict(), **changes}, defaults=self)
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -308,5 +327,158 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-#: The package's one set of defaults; handles, swappers and tools start from it.
+#: aioswap's defaults: what handles, swappers and tools use when given no config (before the
+#: ``AIOSWAP_*`` environment variables, see :func:`default_config`).
 DEFAULT_CONFIG = AioConfig()
+
+#: DeepSpeed's defaults for the ``"aio"`` section (``deepspeed/runtime/swap_tensor/constants.py``):
+#: what :meth:`AioConfig.from_dict` gives the keys a section leaves out.
+DEEPSPEED_DEFAULTS = AioConfig(block_size=1 << 20, queue_depth=8, intra_op_parallelism=1,
+                               single_submit=False, overlap_events=True, use_gds=False)
+
+
+# -- environment variables (KvikIO-style runtime defaults) -----------------------------------------
+#: Every ``AIOSWAP_*`` variable: name, what it sets, accepted values, default.
+ENVIRONMENT: tuple[tuple[str, str, str, str], ...] = (
+    ("AIOSWAP_BLOCK_SIZE", "block_size of handles built without one", "size (4096, 512K, 1M)",
+     "1M"),
+    ("AIOSWAP_QUEUE_DEPTH", "queue_depth of handles built without one", "1..65535", "32"),
+    ("AIOSWAP_INTRA_OP_PARALLELISM", "intra_op_parallelism of handles built without one",
+     "1..256", "1"),
+    ("AIOSWAP_SINGLE_SUBMIT", "single_submit of handles built without one", "0/1, true/false",
+     "0"),
+    ("AIOSWAP_OVERLAP_EVENTS", "overlap_events of handles built without one", "0/1, true/false",
+     "1"),
+    ("AIOSWAP_USE_GDS", "use_gds of the default config", "0/1, true/false", "0"),
+    ("AIOSWAP_BUFFERED", "compat mode: serve every file with buffered I/O, no O_DIRECT",
+     "0/1, true/false", "0"),
+    ("AIOSWAP_POOL_SIZE", "bytes of a handle's bounce pool", "size (64M)",
+     "queue_depth x block_size"),
+    ("AIOSWAP_LOG_LEVEL", "level of the 'aioswap' logger", "DEBUG, INFO, WARNING, ERROR",
+     "unset (logging's default)"),
+    ("AIOSWAP_DEEPSPEED", "install the DeepSpeed op builders at interpreter start", "0/1", "0"),
+)
+
+_KNOB_VARS = (("AIOSWAP_BLOCK_SIZE", "block_size"), ("AIOSWAP_QUEUE_DEPTH", "queue_depth"),
+              ("AIOSWAP_INTRA_OP_PARALLELISM", "intra_op_parallelism"),
+              ("AIOSWAP_SINGLE_SUBMIT", "single_submit"),
+              ("AIOSWAP_OVERLAP_EVENTS", "overlap_events"), ("AIOSWAP_USE_GDS", "use_gds"))
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _env_bool(name: str, text: str) -> bool:
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ConfigError(f"{name}={text!r}: expected 0/1, true/false, yes/no or on/off")
+
+
+def _env_int(name: str, text: str, *, size: bool) -> int:
+    try:
+        return parse_size(text.strip(), what=name) if size else int(text.strip())
+    except ValueError:
+        kind = "a size such as 4096, 512K or 1M" if size else "an integer"
+        raise ConfigError(f"{name}={text!r}: expected {kind}") from None
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """What the ``AIOSWAP_*`` environment variables ask for (see :data:`ENVIRONMENT`).
+
+    Attributes
+    ----------
+    aio : AioConfig
+        :data:`DEFAULT_CONFIG` with the knob variables applied.
+    buffered : bool
+        ``AIOSWAP_BUFFERED``: serve files with buffered I/O (no ``O_DIRECT``).
+    pool_size : int or None
+        ``AIOSWAP_POOL_SIZE`` in bytes; ``None`` when unset.
+    log_level : str or None
+        ``AIOSWAP_LOG_LEVEL``, upper case; ``None`` when unset.
+    """
+
+    aio: AioConfig
+    buffered: bool = False
+    pool_size: int | None = None
+    log_level: str | None = None
+
+
+def runtime_settings(environ: Mapping[str, str] | None = None) -> RuntimeSettings:
+    """Read the ``AIOSWAP_*`` variables (from ``os.environ`` by default).
+
+    Raises
+    ------
+    ConfigError
+        A variable has a bad value; the message names the variable, its value and what is
+        accepted. Every problem is listed in one message.
+    """
+    env = os.environ if environ is None else environ
+    knobs: dict[str, Any] = {}
+    problems: list[str] = []
+    for name, key in _KNOB_VARS:
+        text = env.get(name)
+        if text is None:
+            continue
+        try:
+            knobs[key] = (_env_bool(name, text) if key in _BOOL_KEYS
+                          else _env_int(name, text, size=key == "block_size"))
+        except ConfigError as e:
+            problems.append(str(e))
+    buffered, pool, level = False, None, None
+    try:
+        buffered = _env_bool("AIOSWAP_BUFFERED", env.get("AIOSWAP_BUFFERED", "0"))
+    except ConfigError as e:
+        problems.append(str(e))
+    if env.get("AIOSWAP_POOL_SIZE") is not None:
+        try:
+            pool = _env_int("AIOSWAP_POOL_SIZE", env["AIOSWAP_POOL_SIZE"], size=True)
+        except ConfigError as e:
+            problems.append(str(e))
+    if env.get("AIOSWAP_LOG_LEVEL"):
+        level = env["AIOSWAP_LOG_LEVEL"].strip().upper()
+        if level not in _LEVELS:
+            problems.append(f"AIOSWAP_LOG_LEVEL={env['AIOSWAP_LOG_LEVEL']!r}: expected one of "
+                            f"{', '.join(_LEVELS)}")
+            level = None
+    aio = DEFAULT_CONFIG
+    if not problems:
+        try:
+            aio = DEFAULT_CONFIG.replace(**knobs)
+        except ConfigError as e:
+            problems.append(f"from the AIOSWAP_* environment variables: {e}")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return RuntimeSettings(aio=aio, buffered=buffered, pool_size=pool, log_level=level)
+
+
+def default_config(environ: Mapping[str, str] | None = None) -> AioConfig:
+    """:data:`DEFAULT_CONFIG` with the ``AIOSWAP_*`` knob variables applied.
+
+    Handles, swappers and tools built without a config should start from this.
+
+    Raises
+    ------
+    ConfigError
+        A variable has a bad value (see :func:`runtime_settings`).
+    """
+    return runtime_settings(environ).aio
+
+
+def _apply_log_level() -> None:
+    """``AIOSWAP_LOG_LEVEL`` sets the level of the ``aioswap`` logger (handlers are the
+    application's business); a bad value warns instead of breaking the import."""
+    text = os.environ.get("AIOSWAP_LOG_LEVEL")
+    if not text:
+        return
+    level = text.strip().upper()
+    if level not in _LEVELS:
+        warnings.warn(f"AIOSWAP_LOG_LEVEL={text!r} ignored: expected one of {', '.join(_LEVELS)}",
+                      AioswapWarning, stacklevel=2)
+        return
+    logging.getLogger("aioswap").setLevel(level)
+
+
+_apply_log_level()

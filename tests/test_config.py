@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aioswap.config import DEFAULT_CONFIG, AioConfig
+from aioswap.config import (DEEPSPEED_DEFAULTS, DEFAULT_CONFIG, ENVIRONMENT, AioConfig,
+                            RuntimeSettings, default_config, runtime_settings)
 from aioswap.errors import ConfigError
 
 KEYS = {"block_size", "queue_depth", "intra_op_parallelism",
@@ -78,10 +79,46 @@ def test_from_json_errors(tmp_path: Path) -> None:
         AioConfig.from_json(tmp_path / "missing.json")
 
 
-def test_missing_keys_take_defaults() -> None:
-    assert AioConfig.from_dict({}) == DEFAULT_CONFIG
-    assert AioConfig.from_dict({"aio": {}}) == DEFAULT_CONFIG
-    assert AioConfig.from_dict({"queue_depth": 8}) == AioConfig(queue_depth=8)
+def test_missing_keys_take_deepspeeds_defaults() -> None:
+    """A partial DeepSpeed section means what it means to DeepSpeed (queue depth 8)."""
+    assert DEEPSPEED_DEFAULTS.to_dict() == {
+        "block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1,
+        "single_submit": False, "overlap_events": True, "use_gds": False}
+    assert AioConfig.from_dict({}) == DEEPSPEED_DEFAULTS
+    assert AioConfig.from_dict({"aio": {}}) == DEEPSPEED_DEFAULTS
+    assert AioConfig.from_dict({"aio": {"block_size": 4096}}).queue_depth == 8
+    assert AioConfig.from_dict({"queue_depth": 16}) == AioConfig(queue_depth=16)
+    # aioswap's own defaults on request, and for a handle built without a config
+    assert AioConfig.from_dict({}, defaults=DEFAULT_CONFIG) == DEFAULT_CONFIG
+    assert DEFAULT_CONFIG.queue_depth == 32
+    assert AioConfig(queue_depth=4).replace(block_size=8192).queue_depth == 4
+
+
+def test_environment_overrides_the_defaults() -> None:
+    env = {"AIOSWAP_BLOCK_SIZE": "256K", "AIOSWAP_QUEUE_DEPTH": "64",
+           "AIOSWAP_INTRA_OP_PARALLELISM": "2", "AIOSWAP_SINGLE_SUBMIT": "true",
+           "AIOSWAP_OVERLAP_EVENTS": "0", "AIOSWAP_USE_GDS": "no", "AIOSWAP_BUFFERED": "1",
+           "AIOSWAP_POOL_SIZE": "64M", "AIOSWAP_LOG_LEVEL": "debug", "UNRELATED": "x"}
+    s = runtime_settings(env)
+    assert s.aio == AioConfig(block_size=256 << 10, queue_depth=64, intra_op_parallelism=2,
+                              single_submit=True, overlap_events=False)
+    assert (s.buffered, s.pool_size, s.log_level) == (True, 64 << 20, "DEBUG")
+    assert default_config({}) == DEFAULT_CONFIG
+    assert runtime_settings({}) == RuntimeSettings(DEFAULT_CONFIG)
+    names = {row[0] for row in ENVIRONMENT}
+    assert {k for k in env if k.startswith("AIOSWAP_")} <= names
+
+
+def test_environment_bad_values_name_the_variable() -> None:
+    with pytest.raises(ConfigError) as info:
+        runtime_settings({"AIOSWAP_QUEUE_DEPTH": "deep", "AIOSWAP_BUFFERED": "maybe",
+                          "AIOSWAP_BLOCK_SIZE": "1.3K", "AIOSWAP_LOG_LEVEL": "loud"})
+    msg = str(info.value)
+    for needle in ("AIOSWAP_QUEUE_DEPTH='deep'", "AIOSWAP_BUFFERED='maybe'",
+                   "AIOSWAP_BLOCK_SIZE='1.3K'", "AIOSWAP_LOG_LEVEL='loud'"):
+        assert needle in msg, (needle, msg)
+    with pytest.raises(ConfigError, match="queue_depth must be between 1 and 65535"):
+        default_config({"AIOSWAP_QUEUE_DEPTH": "0"})
 
 
 def test_whole_deepspeed_config_reads_only_aio_section() -> None:
@@ -246,3 +283,17 @@ def test_ds_nvme_tune_output_is_refused_with_every_gap_named() -> None:
     assert "single_submit must be a JSON boolean" in msg
     assert "overlap_events must be a JSON boolean" in msg
     assert "unknown key 'num_threads'" in msg and "'intra_op_parallelism'" in msg
+
+
+def test_log_level_variable_sets_the_aioswap_logger() -> None:
+    import subprocess
+    import sys
+    code = "import logging, aioswap.config; print(logging.getLogger('aioswap').level)"
+    env = {**__import__("os").environ, "AIOSWAP_LOG_LEVEL": "debug"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "10"
+    env["AIOSWAP_LOG_LEVEL"] = "loud"
+    done = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env,
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "0" and "AIOSWAP_LOG_LEVEL='loud' ignored" in done.stderr
