@@ -1,0 +1,856 @@
+"""The safetensors format, read and written with batched direct I/O through an AioHandle.
+
+Same calls as ``safetensors.torch``: :func:`load_file`, :func:`save_file`, :func:`load`,
+:func:`save` and a lazy :func:`safe_open`. Files written here are read by the ``safetensors``
+package unchanged and the other way round.
+
+Format (https://github.com/huggingface/safetensors): an 8-byte little-endian unsigned length
+``N``, ``N`` bytes of UTF-8 JSON (padded with spaces), then the data region. The JSON is an
+object: an optional ``"__metadata__"`` object of string to string, and for every tensor
+``{"dtype": "F32", "shape": [2, 3], "data_offsets": [begin, end]}``, offsets relative to the
+start of the data region (``8 + N``). The tensors' byte ranges must cover the data region
+exactly: no gap, no overlap, nothing after the last one.
+
+Reading: the header is checked completely before any memory is allocated for the data:
+``N`` at most :data:`MAX_HEADER_BYTES` and inside the file, strict UTF-8 JSON, unique names,
+known dtypes, non-negative integer shapes and offsets, ``end - begin`` equal to the element
+count times the element size, offsets inside the file, exact coverage. Any violation raises
+:class:`SafetensorsError` naming the file and what is wrong. Then the data region is read with
+one batched submission: groups of consecutive tensors (about 64 MiB each) get one page-locked,
+page-aligned buffer apiece, holding the group's bytes from the 4096-aligned file offset before
+them, so every read is ``O_DIRECT`` straight into the destination; all reads are submitted
+with ``async_op=True`` before the first is waited for, so later groups' buffers are allocated
+(page faults, ``mlock``) while earlier groups are read. Each tensor is a view of its group's
+buffer with a storage of its own (``torch.frombuffer``): tensors never appear to share memory
+(``safetensors.torch.save_file`` accepts them again), they are reported pinned by
+:func:`aioswap.pinned.is_pinned`, and a group's memory is freed when its last tensor goes.
+
+Writing: the header (compact JSON, spaces up to a multiple of 8 bytes, tensors ordered by
+alignment then name, as ``safetensors`` writes them) and the tensors' bytes are staged
+through a ring of page-locked 64 MiB slots written at aligned file offsets with ``O_DIRECT``,
+the copy into one slot overlapping the writes of the others; then fsync, and the temporary
+file is renamed over ``filename`` (a crash never leaves a half-written checkpoint there).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import operator
+import os
+import secrets
+import stat
+import struct
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from aioswap import pinned
+from aioswap.errors import AioswapError
+from aioswap.handle import AioHandle
+
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "DTYPES",
+    "Header",
+    "SafeOpen",
+    "SafetensorsError",
+    "TensorInfo",
+    "load",
+    "load_file",
+    "read_header",
+    "safe_open",
+    "save",
+    "save_file",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+#: Largest JSON header accepted, in bytes (the limit the ``safetensors`` package applies).
+MAX_HEADER_BYTES = 100_000_000
+
+# File offsets and buffers are aligned to this for O_DIRECT (a multiple of any DIO alignment
+# statx reports on common file systems: 512 or 4096).
+_ALIGN = 4096
+_GROUP_BYTES = 64 << 20       # read: bytes of consecutive tensors per buffer (one request)
+_SLOT_BYTES = 64 << 20        # write: bytes per staging slot (one request)
+_SLOTS = 3                    # write: staging slots in the ring
+_METADATA_KEY = "__metadata__"
+
+
+class SafetensorsError(AioswapError, ValueError):
+    """A safetensors file or buffer is malformed, or tensors cannot be stored in the format.
+
+    ``path`` is the file (or None for in-memory data).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+# ---------------------------------------------------------------------------------- dtypes
+
+@dataclass(frozen=True)
+class _DType:
+    name: str                 # the format's name, "F32"
+    bits: int                 # bits per element in the file
+    torch_name: str | None    # attribute of torch, None where torch has no such dtype
+    packed: int = 1           # file elements per torch element (2 for F4 as float4_e2m1fn_x2)
+
+
+_DTYPE_LIST = [
+    _DType("BOOL", 8, "bool"),
+    _DType("U8", 8, "uint8"),
+    _DType("I8", 8, "int8"),
+    _DType("F8_E5M2", 8, "float8_e5m2"),
+    _DType("F8_E4M3", 8, "float8_e4m3fn"),
+    _DType("F8_E8M0", 8, "float8_e8m0fnu"),
+    _DType("F8_E4M3FNUZ", 8, "float8_e4m3fnuz"),
+    _DType("F8_E5M2FNUZ", 8, "float8_e5m2fnuz"),
+    _DType("I16", 16, "int16"),
+    _DType("U16", 16, "uint16"),
+    _DType("F16", 16, "float16"),
+    _DType("BF16", 16, "bfloat16"),
+    _DType("I32", 32, "int32"),
+    _DType("U32", 32, "uint32"),
+    _DType("F32", 32, "float32"),
+    _DType("C64", 64, "complex64"),
+    _DType("F64", 64, "float64"),
+    _DType("I64", 64, "int64"),
+    _DType("U64", 64, "uint64"),
+    _DType("F4", 4, "float4_e2m1fn_x2", packed=2),
+    _DType("F6_E2M3", 6, None),
+    _DType("F6_E3M2", 6, None),
+]
+_DTYPES = {d.name: d for d in _DTYPE_LIST}
+
+#: The format's dtype names and their bits per element.
+DTYPES: Mapping[str, int] = {d.name: d.bits for d in _DTYPE_LIST}
+
+
+def _torch_dtype(d: _DType) -> torch.dtype | None:
+    if d.torch_name is None:
+        return None
+    value = getattr(torch, d.torch_name, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+_FROM_TORCH: dict[torch.dtype, _DType] = {}
+for _d in _DTYPE_LIST:
+    _t = _torch_dtype(_d)
+    if _t is not None:
+        _FROM_TORCH[_t] = _d
+del _d, _t
+
+
+# ---------------------------------------------------------------------------------- header
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a header: ``begin``/``end`` are offsets in the data region."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class Header:
+    """A validated header.
+
+    ``header_bytes`` is ``N``; the data region is ``[data_offset, data_offset + data_bytes)``
+    of the file (``data_offset = 8 + N``). ``tensors`` keeps the header's order.
+    """
+
+    path: str | None
+    header_bytes: int
+    data_offset: int
+    data_bytes: int
+    tensors: Mapping[str, TensorInfo]
+    metadata: dict[str, str] | None
+
+
+def _where(path: str | None) -> str:
+    return repr(path) if path is not None else "safetensors data"
+
+
+def _reject_constant(value: str) -> Any:
+    raise ValueError(f"{value} is not valid JSON")
+
+
+def _parse_header(raw: bytes, data_bytes: int, path: str | None) -> Header:
+    """Check a header's JSON against a data region of ``data_bytes``; nothing is allocated."""
+    where = _where(path)
+
+    def fail(msg: str) -> SafetensorsError:
+        return SafetensorsError(f"{where}: {msg}", path=path)
+
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise fail(f"the header is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+                   ) from None
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in items:
+            if k in out:
+                raise ValueError(f"duplicate key {k!r}")
+            out[k] = v
+        return out
+
+    try:
+        obj = json.loads(text, object_pairs_hook=pairs, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise fail(f"the header is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise fail(f"the header must be a JSON object, got {type(obj).__name__}")
+    metadata = obj.pop(_METADATA_KEY, None)
+    if metadata is not None:
+        if not isinstance(metadata, dict) or not all(isinstance(v, str)
+                                                     for v in metadata.values()):
+            raise fail('"__metadata__" must be an object of strings')
+    infos: dict[str, TensorInfo] = {}
+    for name, entry in obj.items():
+        if not isinstance(entry, dict):
+            raise fail(f"tensor {name!r}: expected an object, got {type(entry).__name__}")
+        missing = [k for k in ("dtype", "shape", "data_offsets") if k not in entry]
+        if missing:
+            raise fail(f"tensor {name!r}: missing {', '.join(missing)}")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
+            raise fail(f"tensor {name!r}: unknown dtype {dtype!r} (known: "
+                       f"{', '.join(_DTYPES)})")
+        if not isinstance(shape, list) or not all(_is_count(x) for x in shape):
+            raise fail(f"tensor {name!r}: shape must be a list of integers >= 0, "
+                       f"got {shape!r}")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(_is_count(x) for x in offsets)):
+            raise fail(f"tensor {name!r}: data_offsets must be [begin, end], integers >= 0, "
+                       f"got {offsets!r}")
+        begin, end = offsets
+        if begin > end:
+            raise fail(f"tensor {name!r}: data_offsets [{begin}, {end}] end before they begin")
+        if end > data_bytes:
+            raise fail(f"tensor {name!r}: data_offsets [{begin}, {end}] run past the end of "
+                       f"the data region ({data_bytes} bytes)")
+        bits = math.prod(shape) * _DTYPES[dtype].bits
+        if bits % 8:
+            raise fail(f"tensor {name!r}: {math.prod(shape)} elements of {dtype} "
+                       f"({_DTYPES[dtype].bits} bits) do not fill whole bytes")
+        if bits // 8 != end - begin:
+            raise fail(f"tensor {name!r}: shape {shape} of {dtype} needs {bits // 8} bytes, "
+                       f"data_offsets [{begin}, {end}] hold {end - begin}")
+        infos[name] = TensorInfo(name, dtype, tuple(shape), begin, end)
+    pos, last = 0, None
+    for info in sorted(infos.values(), key=lambda i: (i.begin, i.end)):
+        if info.begin < pos:
+            raise fail(f"tensor {info.name!r} [{info.begin}, {info.end}] overlaps tensor "
+                       f"{last!r} (ends at {pos})")
+        if info.begin > pos:
+            raise fail(f"bytes [{pos}, {info.begin}) of the data region belong to no tensor "
+                       f"(before tensor {info.name!r})")
+        pos, last = info.end, info.name
+    if pos != data_bytes:
+        raise fail(f"the data region has {data_bytes} bytes but the tensors cover only "
+                   f"{pos}: the file has trailing bytes or is not fully described")
+    return Header(path, len(raw), 8 + len(raw), data_bytes, infos, metadata)
+
+
+def _is_count(x: object) -> bool:
+    return type(x) is int and x >= 0
+
+
+def _header_length(prefix: bytes, size: int, path: str | None) -> int:
+    """The JSON length from the first 8 bytes, checked against the limit and ``size``."""
+    where = _where(path)
+    if len(prefix) < 8:
+        raise SafetensorsError(f"{where}: {size} bytes is too short for a safetensors file "
+                               f"(it starts with an 8-byte header length)", path=path)
+    n: int = struct.unpack("<Q", prefix[:8])[0]
+    if n > MAX_HEADER_BYTES:
+        raise SafetensorsError(f"{where}: header length {n} exceeds the limit of "
+                               f"{MAX_HEADER_BYTES} bytes (aioswap.safetensors."
+                               f"MAX_HEADER_BYTES); not a safetensors file, or a hostile one",
+                               path=path)
+    if 8 + n > size:
+        raise SafetensorsError(f"{where}: header length {n} runs past the end of the "
+                               f"{size}-byte {'file' if path is not None else 'buffer'}",
+                               path=path)
+    return n
+
+
+def _pread_all(fd: int, n: int, offset: int, path: str) -> bytes:
+    parts = []
+    done = 0
+    while done < n:
+        b = os.pread(fd, n - done, offset + done)
+        if not b:
+            raise SafetensorsError(f"{path!r}: the file ended at offset {offset + done} while "
+                                   f"reading its header (it changed while being read?)",
+                                   path=path)
+        parts.append(b)
+        done += len(b)
+    return b"".join(parts)
+
+
+def _read_header_fd(fd: int, path: str) -> Header:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise SafetensorsError(f"{path!r} is not a regular file", path=path)
+    size = st.st_size
+    n = _header_length(_pread_all(fd, min(8, size), 0, path), size, path)
+    raw = _pread_all(fd, n, 8, path)
+    return _parse_header(raw, size - 8 - n, path)
+
+
+def read_header(filename: PathLike) -> Header:
+    """Read and validate the header of a safetensors file; no tensor data is read.
+
+    Parameters
+    ----------
+    filename : str or os.PathLike
+        The file.
+
+    Returns
+    -------
+    Header
+        Tensor names, dtypes, shapes and offsets, and the metadata.
+
+    Raises
+    ------
+    SafetensorsError
+        The header is malformed (see the module's notes for every check).
+    OSError
+        The file cannot be opened.
+    """
+    path = os.fspath(filename)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return _read_header_fd(fd, path)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------- tensors
+
+def _dtype_of(info: TensorInfo, path: str | None) -> tuple[torch.dtype, tuple[int, ...]]:
+    """The torch dtype and shape of a tensor of the file."""
+    d = _DTYPES[info.dtype]
+    t = _torch_dtype(d)
+    if t is None:
+        raise SafetensorsError(f"{_where(path)}: tensor {info.name!r} has dtype {d.name}, which "
+                               f"this torch ({torch.__version__}) has no dtype for", path=path)
+    shape = info.shape
+    if d.packed > 1:
+        if not shape or shape[-1] % d.packed:
+            raise SafetensorsError(f"{_where(path)}: tensor {info.name!r} of {d.name} has "
+                                   f"shape {list(shape)}; torch.{d.torch_name} needs a last "
+                                   f"dimension divisible by {d.packed}", path=path)
+        shape = shape[:-1] + (shape[-1] // d.packed,)
+    return t, shape
+
+
+def _view(buf: Any, offset: int, info: TensorInfo, dtype: torch.dtype,
+          shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over ``info``'s bytes at ``offset`` of ``buf``, with its own storage."""
+    n = info.nbytes
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offset)
+    if raw.data_ptr() % dtype.itemsize:     # misaligned in the file: give it its own memory
+        t = torch.empty(shape, dtype=dtype)
+        t.view(-1).view(torch.uint8).copy_(raw)
+        return t
+    return torch.frombuffer(buf, dtype=dtype, count=n // dtype.itemsize,
+                            offset=offset).view(shape)
+
+
+def _device(device: str | int | torch.device) -> torch.device:
+    dev = torch.device(device)   # int -> cuda:N, "cuda" -> cuda
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"cannot load to {dev}: torch finds no CUDA device")
+    return dev
+
+
+def _phys_bytes() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 34
+
+
+@dataclass
+class _Group:
+    """Consecutive tensors read with one request into one buffer."""
+
+    infos: list[TensorInfo]
+    file_start: int           # aligned file offset the buffer starts at
+    nbytes: int
+    buf: Any = None
+    future: Any = None
+
+
+def _groups(header: Header, file_size: int, group_bytes: int) -> list[_Group]:
+    out: list[_Group] = []
+    cur: list[TensorInfo] = []
+    order = sorted((i for i in header.tensors.values() if i.nbytes),
+                   key=lambda i: i.begin)
+    for i, info in enumerate(order):
+        cur.append(info)
+        if (cur[-1].end - cur[0].begin >= group_bytes or i == len(order) - 1):
+            lo = header.data_offset + cur[0].begin
+            hi = header.data_offset + cur[-1].end
+            start = lo // _ALIGN * _ALIGN
+            stop = min(-(-hi // _ALIGN) * _ALIGN, file_size)
+            out.append(_Group(cur, start, stop - start))
+            cur = []
+    return out
+
+
+def _wait_all(futures: list[Any]) -> None:
+    """Wait for every future, then raise the first error (drain before release)."""
+    concurrent.futures.wait(futures)
+    for f in futures:
+        exc = f.exception()
+        if exc is not None:
+            raise exc
+
+
+def load_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
+              handle: AioHandle | None = None, max_pinned_bytes: int | None = None
+              ) -> dict[str, torch.Tensor]:
+    """Load every tensor of a safetensors file, reading it with direct I/O.
+
+    Parameters
+    ----------
+    filename : str or os.PathLike
+        The file.
+    device : str, int or torch.device
+        Where the tensors go: ``"cpu"`` (default), or a CUDA device (``"cuda"``, ``0``...):
+        the file is read into page-locked host memory, then each tensor is copied to the
+        device as soon as its group has arrived.
+    handle : AioHandle, optional
+        The handle to read through; default a new :class:`~aioswap.AioHandle` for this call.
+        Only the requests of this call are waited for.
+    max_pinned_bytes : int, optional
+        Page-locked memory this call may allocate for the data (default: half the physical
+        memory). Groups past it go to plain memory, read through the handle's bounce pool.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        Names in the header's order. CPU tensors are views of page-locked memory, each with
+        its own storage (see the module notes), writable, and freed with the last view.
+
+    Raises
+    ------
+    SafetensorsError
+        A malformed header (before any data is allocated or read), or a dtype this torch
+        lacks (``F6_*``).
+    OSError, ShortReadError
+        The file cannot be read (or shrank while being read).
+    RuntimeError
+        ``device`` is a CUDA device and there is none.
+
+    Notes
+    -----
+    ``pinned.allocate(strict=False)`` is used: where the memory cannot be locked
+    (RLIMIT_MEMLOCK) it is plain page-aligned memory, one warning per process, and the
+    reads are staged through the handle's bounce pool.
+    """
+    path = os.fspath(filename)
+    dev = _device(device)
+    if sys.byteorder != "little":
+        raise SafetensorsError("safetensors data is little-endian; this machine is not",
+                               path=path)
+    limit = _phys_bytes() // 2 if max_pinned_bytes is None else operator.index(
+        max_pinned_bytes)
+    own = handle is None
+    h = AioHandle() if handle is None else handle
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        header = _read_header_fd(fd, path)
+        types = {name: _dtype_of(info, path) for name, info in header.tensors.items()}
+        groups = _groups(header, header.data_offset + header.data_bytes, _GROUP_BYTES)
+        futures: list[Any] = []
+        locked = 0
+        try:
+            for g in groups:      # allocate and submit; later allocations overlap the reads
+                if locked + g.nbytes <= limit:
+                    g.buf = memoryview(pinned.allocate(g.nbytes, strict=False))
+                    locked += g.nbytes
+                else:
+                    g.buf = memoryview(np.empty(g.nbytes, dtype=np.uint8))
+                target = torch.frombuffer(g.buf, dtype=torch.uint8)
+                g.future = h.pread(target, fd, g.file_start, async_op=True)
+                futures.append(g.future)
+        finally:
+            if futures:
+                concurrent.futures.wait(futures)
+        _wait_all(futures)
+        out: dict[str, torch.Tensor] = {}
+        for g in groups:
+            for info in g.infos:
+                dtype, shape = types[info.name]
+                t = _view(g.buf, header.data_offset + info.begin - g.file_start, info, dtype,
+                          shape)
+                out[info.name] = t if dev.type == "cpu" else t.to(dev)
+            g.buf = None
+        for name, info in header.tensors.items():     # empty tensors, and header order
+            if name not in out:
+                dtype, shape = types[name]
+                out[name] = torch.empty(shape, dtype=dtype, device=dev)
+        return {name: out[name] for name in header.tensors}
+    finally:
+        os.close(fd)
+        if own:
+            h.close()
+
+
+def load(data: bytes) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file held in memory (copied: they do not share ``data``).
+
+    Raises
+    ------
+    SafetensorsError
+        Malformed data (same checks as :func:`load_file`).
+    """
+    mv = memoryview(data).cast("B")
+    n = _header_length(bytes(mv[:8]), len(mv), None)
+    header = _parse_header(bytes(mv[8:8 + n]), len(mv) - 8 - n, None)
+    out = {}
+    for name, info in header.tensors.items():
+        dtype, shape = _dtype_of(info, None)
+        lo = header.data_offset + info.begin
+        buf = bytearray(mv[lo:lo + info.nbytes])
+        out[name] = _view(buf, 0, info, dtype, shape) if buf else torch.empty(shape,
+                                                                               dtype=dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------- writing
+
+@dataclass
+class _Piece:
+    """Bytes of the file at ``[start, start + nbytes)``, from a flat uint8 tensor."""
+
+    start: int
+    nbytes: int
+    source: Any               # torch.Tensor (uint8) or a callable giving one
+
+
+def _check_inputs(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
+                  ) -> None:
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors must be a dict of str to torch.Tensor, got "
+                        f"{type(tensors).__name__}")
+    for name, t in tensors.items():
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be str, got {name!r}")
+        if name == _METADATA_KEY:
+            raise SafetensorsError(f"{_METADATA_KEY!r} is reserved for the metadata and cannot "
+                                   f"name a tensor")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
+        if t.layout != torch.strided:
+            raise SafetensorsError(f"tensor {name!r} has layout {t.layout}; only dense "
+                                   f"tensors can be saved")
+        if t.device.type == "meta":
+            raise SafetensorsError(f"tensor {name!r} is on the meta device and has no data")
+        if t.dtype not in _FROM_TORCH:
+            raise SafetensorsError(f"tensor {name!r} has dtype {t.dtype}, which the "
+                                   f"safetensors format cannot hold")
+        if _FROM_TORCH[t.dtype].packed > 1 and t.dim() == 0:
+            raise SafetensorsError(f"tensor {name!r}: a 0-dim {t.dtype} cannot be stored "
+                                   f"(its shape in the file needs a last dimension)")
+    if metadata is not None:
+        if not isinstance(metadata, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise TypeError("metadata must be a dict of str to str")
+
+
+def _layout(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
+            ) -> tuple[bytes, list[tuple[str, int, int]]]:
+    """The header bytes (length prefix and padding included) and (name, begin, end)."""
+    _check_inputs(tensors, metadata)
+    # safetensors' order: larger alignment first, then by name; keeps every tensor aligned
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    obj: dict[str, Any] = {}
+    if metadata is not None:
+        obj[_METADATA_KEY] = dict(metadata)
+    spans = []
+    pos = 0
+    for name in order:
+        t = tensors[name]
+        d = _FROM_TORCH[t.dtype]
+        shape = list(t.shape)
+        if d.packed > 1:
+            shape[-1] *= d.packed
+        n = t.numel() * t.element_size()
+        obj[name] = {"dtype": d.name, "shape": shape, "data_offsets": [pos, pos + n]}
+        spans.append((name, pos, pos + n))
+        pos += n
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-(8 + len(text)) % 8)
+    if len(text) > MAX_HEADER_BYTES:
+        raise SafetensorsError(f"the header would be {len(text)} bytes, over the limit of "
+                               f"{MAX_HEADER_BYTES} bytes readers accept")
+    return struct.pack("<Q", len(text)) + text, spans
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements in row-major order as a flat uint8 tensor (same device)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def save(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+         ) -> bytes:
+    """The bytes of a safetensors file holding ``tensors`` (and ``metadata``)."""
+    head, spans = _layout(tensors, metadata)
+    out = bytearray(len(head) + (spans[-1][2] if spans else 0))
+    out[:len(head)] = head
+    dst = torch.frombuffer(out, dtype=torch.uint8) if out else None
+    for name, begin, end in spans:
+        if end > begin:
+            assert dst is not None
+            dst[len(head) + begin:len(head) + end].copy_(_flat_bytes(tensors[name]))
+    return bytes(out)
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_file(tensors: Mapping[str, torch.Tensor], filename: PathLike,
+              metadata: Mapping[str, str] | None = None, *, handle: AioHandle | None = None,
+              mode: int = 0o600) -> None:
+    """Save tensors to a safetensors file with direct I/O, durably and atomically.
+
+    Parameters
+    ----------
+    tensors : dict of str to torch.Tensor
+        CPU or CUDA tensors of any dtype the format holds. Unlike ``safetensors``,
+        non-contiguous tensors and tensors sharing memory are accepted (each is stored with
+        its own elements).
+    filename : str or os.PathLike
+        The file; replaced atomically once the new one is durable.
+    metadata : dict of str to str, optional
+        Stored as ``"__metadata__"``.
+    handle : AioHandle, optional
+        The handle to write through; default a new one for this call.
+    mode : int
+        Permission bits of the new file, before the umask. Default ``0o600`` (the file holds
+        user data); ``safetensors`` and ``torch.save`` create ``0o644`` files.
+
+    Raises
+    ------
+    SafetensorsError
+        A tensor the format cannot hold (dtype, layout, meta device), a reserved name, a
+        header over :data:`MAX_HEADER_BYTES`.
+    TypeError
+        Names or metadata that are not strings, values that are not tensors.
+    OSError
+        The file cannot be written; ``filename`` is left as it was.
+
+    Notes
+    -----
+    The bytes go through a ring of three page-locked 64 MiB slots (less for a small
+    file) written at 4096-aligned offsets, so the data is written with ``O_DIRECT``; the
+    temporary file ``.<name>.<random>.tmp`` beside ``filename`` is fsynced, renamed over it
+    and the directory fsynced. The tensors must not change until this returns.
+    """
+    path = os.fspath(filename)
+    head, spans = _layout(tensors, metadata)
+    total = len(head) + (spans[-1][2] if spans else 0)
+    pieces = [_Piece(0, len(head), torch.frombuffer(bytearray(head), dtype=torch.uint8))]
+    for name, begin, end in spans:
+        if end > begin:
+            pieces.append(_Piece(len(head) + begin, end - begin, tensors[name]))
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+    own = handle is None
+    h = AioHandle() if handle is None else handle
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    done = False
+    try:
+        _write_pieces(h, fd, pieces, total)
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)
+        done = True
+        _fsync_dir(directory)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if not done:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        if own:
+            h.close()
+
+
+def _write_pieces(h: AioHandle, fd: int, pieces: list[_Piece], total: int) -> None:
+    """Stage ``pieces`` through a ring of aligned slots; every slot is one pwrite."""
+    slot = min(_SLOT_BYTES, -(-total // _ALIGN) * _ALIGN)
+    nslots = min(_SLOTS, -(-total // slot))
+    ring_mem = pinned.allocate(slot * nslots, strict=False)
+    ring = torch.frombuffer(memoryview(ring_mem), dtype=torch.uint8)
+    busy: list[Any] = [None] * nslots
+    futures: list[Any] = []
+    flat: dict[int, torch.Tensor] = {}
+    try:
+        k = 0                                       # next piece that has bytes left
+        for idx, lo in enumerate(range(0, total, slot)):
+            hi = min(total, lo + slot)
+            s = idx % nslots
+            if busy[s] is not None:
+                busy[s].result()                    # its previous write is done
+            dst = ring[s * slot:s * slot + (hi - lo)]
+            while k < len(pieces) and pieces[k].start + pieces[k].nbytes <= lo:
+                flat.pop(k, None)
+                k += 1
+            j = k
+            while j < len(pieces) and pieces[j].start < hi:
+                p = pieces[j]
+                a, b = max(lo, p.start), min(hi, p.start + p.nbytes)
+                src = flat.get(j)
+                if src is None:
+                    src = flat[j] = _flat_bytes(p.source)
+                dst[a - lo:b - lo].copy_(src[a - p.start:b - p.start])
+                j += 1
+            busy[s] = h.pwrite(dst, fd, lo, async_op=True)
+            futures.append(busy[s])
+    finally:
+        concurrent.futures.wait([f for f in futures])
+    _wait_all(futures)
+
+
+# ---------------------------------------------------------------------------------- lazy
+
+class SafeOpen:
+    """A safetensors file opened for reading tensors one at a time (see :func:`safe_open`)."""
+
+    def __init__(self, filename: PathLike, framework: str = "pt",
+                 device: str | int | torch.device = "cpu", *,
+                 handle: AioHandle | None = None) -> None:
+        if framework not in ("pt", "torch"):
+            raise ValueError(f"framework {framework!r} is not supported: aioswap loads torch "
+                             f"tensors (framework='pt')")
+        self._path = os.fspath(filename)
+        self._device = _device(device)
+        self._fd = -1
+        self._own = handle is None
+        self._handle = handle
+        fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self._header = _read_header_fd(fd, self._path)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        if self._handle is None:
+            self._handle = AioHandle()
+
+    @property
+    def header(self) -> Header:
+        return self._header
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def keys(self) -> list[str]:
+        """Tensor names, sorted (as ``safetensors`` lists them)."""
+        return sorted(self._header.tensors)
+
+    def metadata(self) -> dict[str, str] | None:
+        """The ``"__metadata__"`` of the file, or None."""
+        md = self._header.metadata
+        return None if md is None else dict(md)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._header.tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """Read one tensor into new memory on the device given at open.
+
+        Raises
+        ------
+        KeyError
+            No tensor of that name.
+        ValueError
+            The file is closed.
+        """
+        if self._fd < 0:
+            raise ValueError(f"{self._path!r} is closed")
+        try:
+            info = self._header.tensors[name]
+        except KeyError:
+            raise KeyError(f"no tensor {name!r} in {self._path!r}") from None
+        dtype, shape = _dtype_of(info, self._path)
+        t = torch.empty(shape, dtype=dtype)
+        if info.nbytes:
+            assert self._handle is not None
+            self._handle.pread(t.view(-1).view(torch.uint8), self._fd,
+                               self._header.data_offset + info.begin)
+        return t if self._device.type == "cpu" else t.to(self._device)
+
+    def close(self) -> None:
+        """Close the file (and the handle this object made). Idempotent."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._own and self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    def __enter__(self) -> SafeOpen:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def safe_open(filename: PathLike, framework: str = "pt",
+              device: str | int | torch.device = "cpu", *,
+              handle: AioHandle | None = None) -> SafeOpen:
+    """Open a safetensors file for lazy access, like ``safetensors.safe_open``.
+
+    Use as a context manager: ``keys()``, ``metadata()``, ``get_tensor(name)``. The header
+    is read and validated at open (:class:`SafetensorsError` when malformed); each
+    ``get_tensor`` is one read through the handle.
+    """
+    return SafeOpen(filename, framework, device, handle=handle)
