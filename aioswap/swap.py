@@ -1,83 +1,105 @@
 """TensorSwapper: named tensors and state dicts to swap files on NVMe and back, crash-safe.
 
-Storage format (version 1)
---------------------------
+Storage format (version 2; version-1 directories are read, and rewritten as version 2 at
+their first change)
+------------------------------------------------------------------------------------------
 A swap directory holds, besides whatever else was already in it:
 
 ``aioswap-manifest.json``
     The only thing that makes a swap visible. JSON: ``{"format": "aioswap-swap",
-    "version": 1, "seq": N, "entries": [...]}``; each entry has ``name`` (any ``str``),
-    ``file``, ``offset``, ``nbytes``, ``dtype`` (``"float32"``...), ``shape``, ``stride``,
-    ``storage_offset`` (of the tensor that was swapped out), ``checksum`` (hex or null),
-    ``checksum_algo`` (``"xxh3_64"``, ``"crc32"`` or null) and ``seq`` (submission order).
-    Replaced atomically: written to ``aioswap-manifest.json.tmp``, fsynced, the directory
-    fsynced (so the data files it names are durable entries), ``os.replace``'d, the directory
-    fsynced again.
-``t-<32 hex>-<16 hex>.bin``
-    One file per tensor: exactly ``nbytes`` bytes, the tensor's elements in row-major
-    (C-contiguous) order, no header and no padding (the file ends where the data ends). The
-    first part is the SHA-256 of the UTF-8 name (``surrogatepass``), so any string is a safe
-    name (no path traversal, no length limit), the second part is random, so every write goes
-    to a new file and an overwrite leaves the old version valid until the manifest names the
-    new one. The name itself lives only in the manifest.
+    "version": 2, "seq": N, "packs": {file: size}, "entries": [...]}``; each entry has
+    ``name`` (any ``str``), ``file``, ``offset``, ``nbytes``, ``dtype`` (``"float32"``...),
+    ``shape``, ``stride``, ``storage_offset`` (of the tensor that was swapped out),
+    ``checksum`` (hex or null), ``checksum_algo`` (``"xxh3_64"``, ``"crc32"`` or null) and
+    ``seq`` (submission order). ``packs`` records the size of every pack file. Replaced
+    atomically: written to ``aioswap-manifest.json.tmp``, fsynced, the directory fsynced (so
+    the data files it names are durable entries), ``os.replace``'d, the directory fsynced
+    again. Version 1 is the same without ``packs`` (every file is a single-tensor file).
+``p-<32 hex>.bin`` (packs, version 2)
+    The tensors of one :meth:`TensorSwapper.swap_out_state_dict` call, each at a 4096-byte
+    aligned offset, in dict order; a new pack is started when the next tensor would take it
+    past ``pack_bytes`` (default 1 GiB; a larger tensor gets a pack of its own). The gaps are
+    holes; the file is extended to a multiple of 4096, so every tensor can be read with
+    aligned direct I/O. Written once, never modified.
+``t-<32 hex>-<16 hex>.bin`` (single tensors)
+    One tensor of :meth:`TensorSwapper.swap_out`: exactly ``nbytes`` bytes, no header, no
+    padding. The first part is the SHA-256 of the UTF-8 name (``surrogatepass``), the second
+    is random, so every write goes to a new file.
 ``aioswap.lock``
     ``flock``-ed for as long as a swapper has the directory open; a second swapper, in this
     process or another, gets a :class:`~aioswap.errors.SwapError` naming the holder's pid.
 ``aioswap-created``
     Present only when the swapper created the directory; :meth:`TensorSwapper.destroy`
     removes the directory only then (with ``os.rmdir``: never a tree).
+``orphans/``
+    Only when a directory without a manifest held aioswap data files: they are moved there
+    (with a ``RuntimeWarning``), never deleted, since nothing says what they hold.
 
-Crash safety: a tensor's data is written and fsynced to its own new file before the manifest
-that names it is published, so a crash at any point leaves either the old or the new manifest,
-each naming only complete, durable files. Files of an interrupted swap (and old versions whose
-unlink was interrupted) are orphans: at open, files matching the data-file pattern that the
-manifest does not name are removed, and so is a stale ``.tmp`` manifest. Nothing else in the
-directory is ever touched.
+In tensor data, elements are in row-major (C-contiguous) order. Data files, manifest, lock
+and marker are created with mode ``mode`` (default 0600: swapped tensors are often weights or
+optimizer state), a directory the swapper creates with the matching directory mode (0700);
+existing directories keep their mode. Data files are never opened through a symbolic link and
+must be regular files (``O_NOFOLLOW|O_NONBLOCK``, then ``fstat``), so a planted link or FIFO is
+refused, never followed or waited on.
 
-Checksums: ``xxh3_64`` from the ``xxhash`` package (about 12 GB/s, releases the GIL) when it is
-installed, else ``zlib.crc32`` (about 4 GB/s); the algorithm is recorded per entry. It is
-computed on swap-out while the write is in flight, and checked on swap-in when ``verify`` is
-on (large reads are verified chunk by chunk as they land). The file size is always checked
-against the manifest before any I/O, so a truncated or extended file is reported, never read.
+Crash safety: data is written and fsynced to new files before the manifest that names it is
+published, so a crash at any point leaves either the old or the new manifest, each naming
+only complete, durable files. An error that arrives after the new manifest was renamed into
+place (a failed final directory fsync, a signal) is raised, but the change stays published
+and nothing either manifest names is deleted. Files no manifest names (an interrupted swap,
+an old version whose unlink was interrupted) are removed at the next open, and so is a stale
+``.tmp`` manifest. Nothing else in the directory is ever touched.
 
-Names and state dicts: a name is any ``str``. ``swap_out_state_dict(prefix, sd)`` stores each
-entry as ``prefix + key`` (no separator is added: end the prefix with one, e.g. ``"opt/"``),
-writes them concurrently and publishes all of them with one manifest update (all or nothing);
-``swap_in_state_dict(prefix)`` returns the keys in the order they were swapped out.
+Space: a data file is deleted as soon as no published entry names it (per-file reference
+counting, after the manifest that dropped the last entry is durable). Overwriting or removing
+one tensor of a pack leaves a dead range in it and never rewrites the live neighbours;
+:meth:`TensorSwapper.compact` rewrites the packs whose live bytes fell below a fraction of
+their size (default one half) into new packs, and :meth:`TensorSwapper.pack_usage` shows it.
+
+Checksums: ``xxh3_64`` (the ``xxhash`` package) when installed, else ``zlib.crc32``; the
+algorithm is recorded per entry. They are computed on swap-out while the writes are in
+flight, and checked on swap-in when ``verify`` is on, each tensor (or 64 MiB chunk of a large
+one) as soon as it has landed, while the later reads are still in flight. The file size is
+checked against the manifest before any I/O, so a truncated or extended file is reported,
+never read.
+
+Batched I/O: a state dict goes out as one request per tensor, all submitted before any is
+waited for (async ``pwrite``), then one fsync per pack file and one manifest commit; it comes
+back the same way (async ``pread`` per tensor, then one wait). Fresh CPU destinations of
+``swap_in_state_dict`` are page-locked (``aioswap.pinned.empty(strict=False)``, read with
+direct I/O, no bounce copy) up to ``pin_budget`` bytes per call, and plain memory beyond it,
+touched before its read is submitted so that its page faults overlap the reads in flight.
 
 Release: ``release=True`` frees a tensor's storage (``untyped_storage().resize_(0)``) once its
 write is durable and published; ``swap_in`` without ``out`` resizes the same storage back and
 reads into it, so every existing reference (views included) sees the data again, with its
-own layout. Only tensors that span their whole, resizable storage can be released.
+own layout. Only tensors that span their whole, resizable storage can be released (tensors
+returned in page-locked memory cannot: pass ``pin_memory=False`` to get plain ones).
 
 Concurrency: asynchronous swaps run on the swapper's worker threads (``max_inflight``); their
-I/O goes through the handle, whose bounce pool bounds the staging memory of unpinned, CUDA and
-unaligned buffers. Non-contiguous tensors are made contiguous first; those copies are bounded
-by ``staging_bytes`` (one tensor larger than that still goes, alone). Fresh host memory that
-``swap_in`` allocates (or restores with ``release``) is touched on the swap's worker thread
-before the read, so its page faults overlap other tensors' I/O instead of the handle's copy
-out of its bounce pool. Manifest updates of concurrent completions are serialized and
-batched (group commit): one manifest write publishes every swap that completed while the
-previous write was running. Operations on one name are ordered (a swap-in waits for that
-name's swap-out in flight).
+I/O goes through the handle. Non-contiguous tensors are made contiguous first; those copies
+are bounded by ``staging_bytes`` (one tensor larger than that still goes, alone). Manifest
+updates of concurrent completions are batched (group commit). Operations on one name are
+ordered (a swap-in waits for that name's swap-out in flight).
+
+Several ranks: :meth:`TensorSwapper.for_rank` gives each rank its own directory under one of
+several roots (one per drive), ranks spread over the roots round-robin.
 """
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import hashlib
-import importlib
-import json
 import logging
 import os
-import re
+import resource
 import threading
 import warnings
-import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union
 
+from aioswap import _checksum
+from aioswap._manifest import MANIFEST_NAME, Change, Entry, Manifest, SwapDirectory
 from aioswap.config import AioConfig
 from aioswap.errors import ChecksumError, HandleClosedError, SwapError
 from aioswap.handle import AioHandle
@@ -85,91 +107,27 @@ from aioswap.handle import AioHandle
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MANIFEST_NAME", "SwapInfo", "TensorSwapper", "checksum_algorithms"]
+__all__ = ["DEFAULT_PACK_BYTES", "DEFAULT_PIN_BUDGET", "MANIFEST_NAME", "PACK_ALIGN",
+           "SwapInfo", "TensorSwapper", "checksum_algorithms", "current_rank"]
 
 _log = logging.getLogger("aioswap")
 
-#: File name of the manifest inside a swap directory.
-MANIFEST_NAME = "aioswap-manifest.json"
-_MANIFEST_TMP = MANIFEST_NAME + ".tmp"
-_LOCK_NAME = "aioswap.lock"
-_CREATED_NAME = "aioswap-created"
-_FORMAT = "aioswap-swap"
-_VERSION = 1
-_DATA_RE = re.compile(r"t-[0-9a-f]{32}-[0-9a-f]{16}\.bin")
-_HASH_CHUNK = 64 << 20        # bytes hashed per step for CUDA tensors and chunked reads
-_SPLIT_READ = 128 << 20       # verified reads larger than this are hashed as they land
+#: Alignment of every tensor in a pack file (and of the pack's size).
+PACK_ALIGN = 4096
+#: Default cap on the size of one pack file.
+DEFAULT_PACK_BYTES = 1 << 30
+#: Default bytes of page-locked destinations that one ``swap_in_state_dict`` may allocate.
+DEFAULT_PIN_BUDGET = 4 << 30
+_SPLIT_READ = 128 << 20       # verified reads larger than this are hashed as chunks land
 _PREFAULT_MIN = 1 << 20       # fresh host memory at least this large is touched before a read
 
 _T = TypeVar("_T")
 _Device = Union[str, "torch.device", int, None]
 
 
-# ----------------------------------------------------------------------------------------
-# Checksums
-
-
-class _Crc32:
-    """zlib.crc32 with the incremental interface of an xxhash object."""
-
-    def __init__(self) -> None:
-        self._value = 0
-
-    def update(self, data: Any) -> None:
-        self._value = zlib.crc32(data, self._value)
-
-    def hexdigest(self) -> str:
-        return f"{self._value:08x}"
-
-
-def _xxhash() -> Any:
-    """The xxhash module, or None when it is not installed."""
-    try:
-        return importlib.import_module("xxhash")
-    except ImportError:
-        return None
-
-
 def checksum_algorithms() -> list[str]:
     """Checksum algorithms usable here, fastest first (``"crc32"`` is always available)."""
-    return (["xxh3_64"] if _xxhash() is not None else []) + ["crc32"]
-
-
-def _new_hasher(algo: str) -> Any:
-    if algo == "crc32":
-        return _Crc32()
-    if algo == "xxh3_64":
-        mod = _xxhash()
-        if mod is None:
-            raise SwapError("checksum algorithm 'xxh3_64' needs the xxhash package "
-                            "(pip install xxhash)")
-        return mod.xxh3_64()
-    raise SwapError(f"unknown checksum algorithm {algo!r}; known: 'xxh3_64', 'crc32'")
-
-
-def _host_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy (the caller keeps ``t`` alive)."""
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
-
-
-def _digest(t: torch.Tensor, algo: str) -> str:
-    """Checksum of the row-major bytes of ``t`` (CPU or CUDA, any layout)."""
-    h = _new_hasher(algo)
-    src = t.detach()
-    if not src.is_contiguous():
-        src = src.contiguous()
-    if src.is_cuda and src.numel():
-        import torch
-        flat = src.reshape(-1).view(torch.uint8)
-        for s in range(0, flat.numel(), _HASH_CHUNK):
-            host = flat[s:s + _HASH_CHUNK].cpu()    # kept alive while it is hashed
-            h.update(_host_bytes(host))
-    else:
-        h.update(_host_bytes(src))
-    return str(h.hexdigest())
+    return _checksum.algorithms()
 
 
 # ----------------------------------------------------------------------------------------
@@ -198,6 +156,10 @@ def _dtype_from_name(name: str) -> torch.dtype:
     return dt
 
 
+def _round_up(n: int, a: int = PACK_ALIGN) -> int:
+    return -(-n // a) * a
+
+
 def _extent(t: torch.Tensor) -> int:
     """Bytes of storage that ``t`` spans from the start of its storage."""
     if t.numel() == 0:
@@ -207,11 +169,10 @@ def _extent(t: torch.Tensor) -> int:
 
 
 def _prefault(st: torch.UntypedStorage) -> None:
-    """Touch fresh host memory before a bounced read lands in it.
+    """Touch fresh host memory before a read lands in it.
 
-    The first write to each new page faults; done here, on the swap's own worker thread, those
-    faults overlap other tensors' I/O instead of slowing the handle's copy out of its bounce
-    pool, which every bounced request waits for in turn.
+    The first write to each new page faults; done before the read is submitted, those faults
+    overlap the reads already in flight instead of slowing the handle's copy into it.
     """
     import torch
     if st.nbytes() >= _PREFAULT_MIN:
@@ -228,10 +189,6 @@ def _add_note(exc: BaseException, note: str) -> None:
         add(note)
 
 
-def _fsync_dir(fd: int) -> None:
-    os.fsync(fd)
-
-
 def _storage_key(t: torch.Tensor) -> int:
     """Identity of the storage behind ``t`` (stable across ``resize_``)."""
     st = t.untyped_storage()
@@ -239,61 +196,39 @@ def _storage_key(t: torch.Tensor) -> int:
     return int(key) if isinstance(key, int) else id(st)
 
 
-# ----------------------------------------------------------------------------------------
-# Manifest entries
+def current_rank() -> tuple[int, int]:
+    """``(rank, local_rank)`` of this process.
 
-
-@dataclass(frozen=True)
-class _Entry:
-    """One published swap, as the manifest stores it."""
-
-    name: str
-    file: str
-    offset: int
-    nbytes: int
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_offset: int
-    checksum: str | None
-    checksum_algo: str | None
-    seq: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "file": self.file, "offset": self.offset,
-                "nbytes": self.nbytes, "dtype": self.dtype, "shape": list(self.shape),
-                "stride": list(self.stride), "storage_offset": self.storage_offset,
-                "checksum": self.checksum, "checksum_algo": self.checksum_algo,
-                "seq": self.seq}
-
-    @classmethod
-    def from_json(cls, d: Any, where: str) -> _Entry:
-        def bad(what: str) -> SwapError:
-            return SwapError(f"{where}: malformed manifest entry ({what}): {d!r:.200}")
-
-        if not isinstance(d, dict):
-            raise bad("not an object")
+    ``rank``: ``torch.distributed.get_rank()`` when a process group is initialized, else the
+    ``RANK`` environment variable, else ``LOCAL_RANK``, else 0. ``local_rank``: ``LOCAL_RANK``
+    when set (torchrun sets it), else ``rank``.
+    """
+    def env(name: str) -> int | None:
+        v = os.environ.get(name)
+        if v is None or not v.strip():
+            return None
         try:
-            name, file, dtype = d["name"], d["file"], d["dtype"]
-            ints = [d["offset"], d["nbytes"], d["storage_offset"], d["seq"]]
-            shape, stride = d["shape"], d["stride"]
-            checksum, algo = d["checksum"], d["checksum_algo"]
-        except KeyError as exc:
-            raise bad(f"missing {exc.args[0]!r}") from None
-        if not isinstance(name, str) or not isinstance(dtype, str):
-            raise bad("name and dtype must be strings")
-        if not isinstance(file, str) or not _DATA_RE.fullmatch(file):
-            raise bad("file is not a swap data file name")   # never follow other paths
-        for v in ints + list(shape) + list(stride):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise bad("offsets, sizes, shape and stride must be integers >= 0")
-        if not isinstance(shape, list) or not isinstance(stride, list):
-            raise bad("shape and stride must be lists")
-        if (checksum is None) != (algo is None) or not (
-                checksum is None or (isinstance(checksum, str) and isinstance(algo, str))):
-            raise bad("checksum and checksum_algo must be strings or both null")
-        return cls(name, file, ints[0], ints[1], dtype, tuple(shape), tuple(stride), ints[2],
-                   checksum, algo, ints[3])
+            return int(v)
+        except ValueError:
+            raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+
+    rank: int | None = None
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            rank = int(dist.get_rank())
+    except ImportError:             # pragma: no cover - torch is a dependency here
+        pass
+    local = env("LOCAL_RANK")
+    if rank is None:
+        rank = env("RANK")
+    if rank is None:
+        rank = local if local is not None else 0
+    return rank, (local if local is not None else rank)
+
+
+# ----------------------------------------------------------------------------------------
+# Records
 
 
 @dataclass(frozen=True)
@@ -321,23 +256,75 @@ class SwapInfo:
 
 
 @dataclass
-class _Pending:
-    """Manifest changes waiting for a group commit."""
-
-    puts: list[_Entry]
-    deletes: list[str]
-    done: bool = False
-    error: BaseException | None = None
-    # old data files replaced or deleted by this change, unlinked once it is durable
-    obsolete: list[str] = field(default_factory=list)
-
-
-@dataclass
 class _Released:
     """A tensor whose storage was freed by ``release=True``, waiting for ``swap_in``."""
 
     tensor: torch.Tensor
     storage_nbytes: int
+
+
+@dataclass
+class _WriteJob:
+    """One tensor to write into a pack; ``checksum`` given: already known (compaction)."""
+
+    name: str
+    src: torch.Tensor
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    seq: int
+    checksum: str | None = None
+    checksum_algo: str | None = None
+
+
+@dataclass
+class _ReadPlan:
+    """One tensor to read: what the manifest says, where it goes, how it went."""
+
+    name: str
+    entry: Entry
+    out: torch.Tensor | None
+    restore: _Released | None
+    fut: concurrent.futures.Future[torch.Tensor]
+    device: _Device = None
+    shared: concurrent.futures.Future[torch.Tensor] | None = None  # restore in flight
+    file_size: int = 0
+    target: torch.Tensor | None = None     # what the caller gets
+    dest: torch.Tensor | None = None       # what is read into (a copy for conj/neg views)
+    flat: torch.Tensor | None = None       # contiguous host bytes of dest (hashed as landed)
+    nread: int = 0
+    resized: torch.UntypedStorage | None = None
+    pieces: list[tuple[concurrent.futures.Future[int], int, int]] = field(
+        default_factory=list)
+    error: BaseException | None = None
+
+
+class _ReadJob:
+    """A planned batch of reads: call it once to run it, or ``cancel`` it."""
+
+    def __init__(self, sw: TensorSwapper, plans: list[_ReadPlan], fds: dict[str, int],
+                 verify: bool, pin: bool, budget: int) -> None:
+        self._args = (sw, plans, fds, verify, pin, budget)
+        self._once = threading.Lock()
+        self._ran = False
+
+    def _take(self) -> bool:
+        with self._once:
+            ran, self._ran = self._ran, True
+        return not ran
+
+    def __call__(self) -> None:
+        if self._take():
+            sw, plans, fds, verify, pin, budget = self._args
+            sw._execute(plans, fds, verify, pin, budget)
+
+    def cancel(self, exc: BaseException) -> None:
+        if self._take():
+            sw, plans, fds, _, _, _ = self._args
+            for fd in fds.values():
+                os.close(fd)
+            sw._abandon(plans, exc)
 
 
 class _ByteBudget:
@@ -370,9 +357,10 @@ class TensorSwapper:
     Parameters
     ----------
     directory : str or os.PathLike
-        The swap directory. Created (with parents) when missing, and then marked as created
-        by aioswap; an existing directory is used as it is, and only aioswap's own files in
-        it are ever written or removed. Completed swaps found in it are restored.
+        The swap directory. Created (with parents; the directory itself with mode 0700, see
+        ``mode``) when missing, and then marked as created by aioswap; an existing directory
+        is used as it is, and only aioswap's own files in it are ever written or removed.
+        Completed swaps found in it are restored.
     handle : AioHandle, optional
         The handle that moves the bytes; it stays open when the swapper closes. Default: a
         handle built from ``config`` and owned (closed) by the swapper.
@@ -384,20 +372,34 @@ class TensorSwapper:
         ``"auto"`` (``"xxh3_64"`` when the xxhash package is installed, else ``"crc32"``),
         ``"xxh3_64"``, ``"crc32"`` or None (no checksum is computed or checked).
     max_inflight : int
-        Worker threads running asynchronous swaps (tensors in flight at once).
+        Worker threads running asynchronous swaps (operations in flight at once).
     staging_bytes : int, optional
         Bound on the contiguous copies made of non-contiguous tensors in flight; default the
         handle's bounce pool size. A single tensor larger than this is still staged, alone.
-    pin_memory : bool
-        Allocate the tensors that ``swap_in`` creates on the CPU with ``aioswap.pinned.empty``
-        (page-locked: read with ``O_DIRECT`` straight into them, no bounce copy). Such tensors
-        cannot be released with ``release=True`` later (their storage is not resizable).
+    pin_memory : bool or None
+        Where fresh CPU tensors that swap-ins create live. None (default): those of
+        :meth:`swap_in_state_dict` in page-locked memory (``aioswap.pinned.empty(strict=
+        False)``: direct I/O straight into them) up to ``pin_budget`` bytes per call, plain
+        memory beyond; those of :meth:`swap_in`, plain memory. True: every fresh CPU tensor
+        page-locked. False: never. Page-locked tensors cannot be released by
+        ``release=True`` later (their storage is not resizable).
+    pin_budget : int, optional
+        Bytes of page-locked memory one :meth:`swap_in_state_dict` call may allocate with
+        ``pin_memory=None``; default :data:`DEFAULT_PIN_BUDGET` (4 GiB), at most half of
+        ``RLIMIT_MEMLOCK`` when that is finite and the process is not root.
+    pack_bytes : int
+        Cap on the size of one pack file written by :meth:`swap_out_state_dict` (default
+        :data:`DEFAULT_PACK_BYTES`, 1 GiB); a tensor larger than the cap gets its own pack.
+    mode : int
+        Permission bits of the files the swapper creates (data, manifest, lock, marker),
+        default 0o600; a directory it creates gets the same bits plus x where r or w is set
+        (0o700 for 0o600). Set exactly (``fchmod``), whatever the umask.
 
     Raises
     ------
     SwapError
-        Another swapper holds the directory, or its manifest is unreadable or from a newer
-        version of aioswap.
+        Another swapper holds the directory, or its manifest is unreadable, malformed or
+        from a newer version of aioswap.
     NotADirectoryError, PermissionError, OSError
         The directory cannot be created or used.
 
@@ -418,27 +420,36 @@ class TensorSwapper:
     def __init__(self, directory: str | os.PathLike[str], *, handle: AioHandle | None = None,
                  config: AioConfig | None = None, verify: bool = True,
                  checksum: str | None = "auto", max_inflight: int = 8,
-                 staging_bytes: int | None = None, pin_memory: bool = False) -> None:
+                 staging_bytes: int | None = None, pin_memory: bool | None = None,
+                 pin_budget: int | None = None, pack_bytes: int = DEFAULT_PACK_BYTES,
+                 mode: int = 0o600) -> None:
         self._closed = True          # until the directory is locked (for __del__)
         if handle is not None and config is not None:
             raise ValueError("pass either handle or config, not both")
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        if not isinstance(pack_bytes, int) or pack_bytes < PACK_ALIGN:
+            raise ValueError(f"pack_bytes must be an int >= {PACK_ALIGN}, got {pack_bytes!r}")
+        if pin_budget is not None and (not isinstance(pin_budget, int) or pin_budget < 0):
+            raise ValueError(f"pin_budget must be an int >= 0, got {pin_budget!r}")
+        if not isinstance(mode, int) or isinstance(mode, bool) or not 0 <= mode <= 0o777:
+            raise ValueError(f"mode must be permission bits in 0..0o777, got {mode!r}")
+        if mode & 0o600 != 0o600:
+            raise ValueError(f"mode {mode:#o} must let the owner read and write (0o600)")
         if checksum == "auto":
             checksum = checksum_algorithms()[0]
         if checksum is not None:
-            _new_hasher(checksum)    # unknown or missing algorithm: fail now
+            _checksum.new_hasher(checksum)    # unknown or missing algorithm: fail now
         if handle is not None and handle.closed:
             raise HandleClosedError("TensorSwapper given a closed AioHandle")
         _torch()
-        self._dir = os.path.abspath(os.fspath(directory))
+        self._path = os.path.abspath(os.fspath(directory))
         self._verify = bool(verify)
         self._algo = checksum
-        self._pin = bool(pin_memory)
+        self._pin = pin_memory if pin_memory is None else bool(pin_memory)
+        self._pin_budget = DEFAULT_PIN_BUDGET if pin_budget is None else pin_budget
+        self._pack_bytes = pack_bytes
         self._lock = threading.RLock()            # entries, busy, released, futures
-        self._commit_lock = threading.Lock()      # one manifest write at a time
-        self._entries: dict[str, _Entry] = {}
-        self._staged: list[_Pending] = []
         self._busy: dict[str, threading.Event] = {}
         self._released: dict[str, _Released] = {}
         self._released_storages: dict[int, str] = {}      # storage key -> name
@@ -447,138 +458,71 @@ class TensorSwapper:
         # drops out when it completes, so a long run that never waits does not grow this)
         self._outstanding: dict[concurrent.futures.Future[Any], None] = {}
         self._async_count = 0
-        self._seq = 0
-        self._dir_fd = -1
-        self._lock_fd = -1
-        self._created = self._open_directory()
+        self._dir = SwapDirectory(self._path, mode)
         try:
-            self._load()
+            self._m = Manifest(self._dir, self._lock)
             self._own_handle = handle is None
             self._handle = (AioHandle.from_config(config or AioConfig()) if handle is None
                             else handle)
         except BaseException:
-            self._unlock()
+            self._dir.close()
             raise
         cap = self._handle.bounce_pool_bytes if staging_bytes is None else int(staging_bytes)
         self._staging = _ByteBudget(max(1, cap))
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_inflight, thread_name_prefix="aioswap-swap")
-        self._coord = concurrent.futures.ThreadPoolExecutor(
-            2, thread_name_prefix="aioswap-swap-sd")
         self._closed = False
 
-    # -- opening ---------------------------------------------------------------------------
-    def _open_directory(self) -> bool:
-        """Create (and mark) or find the directory, then lock it; True if created here."""
-        created = False
-        if not os.path.isdir(self._dir):
-            try:
-                os.makedirs(self._dir)
-                created = True
-            except FileExistsError:
-                if not os.path.isdir(self._dir):
-                    raise NotADirectoryError(f"swap directory {self._dir!r} exists and is "
-                                             f"not a directory") from None
-        self._dir_fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            self._lock_directory()
-            if created:
-                fd = os.open(os.path.join(self._dir, _CREATED_NAME),
-                             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-                try:
-                    os.write(fd, b"created by aioswap.TensorSwapper; destroy() removes this "
-                                 b"directory\n")
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                _fsync_dir(self._dir_fd)
-                parent = os.open(os.path.dirname(self._dir), os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    _fsync_dir(parent)
-                finally:
-                    os.close(parent)
-            return created or os.path.exists(os.path.join(self._dir, _CREATED_NAME))
-        except BaseException:
-            self._unlock()
-            raise
+    @classmethod
+    def for_rank(cls, roots: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
+                 rank: int | None = None, local_rank: int | None = None,
+                 name: str = "rank{rank}", **kwargs: Any) -> TensorSwapper:
+        """A swapper on this rank's own directory, under one of several roots (drives).
 
-    def _lock_directory(self) -> None:
-        import fcntl
-        path = os.path.join(self._dir, _LOCK_NAME)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
-            finally:
-                os.close(fd)
-            raise SwapError(f"swap directory {self._dir!r} is in use by another "
-                            f"TensorSwapper (pid {holder}); close it first") from None
-        except BaseException:
-            os.close(fd)
-            raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
+        Parameters
+        ----------
+        roots : path or sequence of paths
+            One root per drive (e.g. ``["/nvme0/swap", "/nvme1/swap"]``).
+        rank, local_rank : int, optional
+            Default :func:`current_rank`: ``torch.distributed.get_rank()`` when initialized,
+            else ``RANK``/``LOCAL_RANK`` from the environment, else 0.
+        name : str
+            Directory name under the root, formatted with ``rank`` and ``local_rank``.
+        **kwargs
+            Passed to :class:`TensorSwapper`.
 
-    def _unlock(self) -> None:
-        for attr in ("_lock_fd", "_dir_fd"):
-            fd = getattr(self, attr)
-            if fd >= 0:
-                setattr(self, attr, -1)
-                os.close(fd)        # closing the lock fd releases the flock
+        Returns
+        -------
+        TensorSwapper
+            On ``roots[local_rank % len(roots)] / name.format(rank=rank, ...)``: the ranks of
+            one node are spread round-robin over its drives (node-local ranks, since drives
+            are node-local), and the directory name is unique per global rank, so ranks never
+            share a directory even on a shared file system.
 
-    def _load(self) -> None:
-        """Read the manifest, then remove orphans of interrupted swaps."""
-        path = os.path.join(self._dir, MANIFEST_NAME)
-        try:
-            os.unlink(os.path.join(self._dir, _MANIFEST_TMP))
-        except FileNotFoundError:
-            pass
-        try:
-            with open(path, "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
-            raw = None
-        if raw is not None:
-            try:
-                doc = json.loads(raw)
-            except ValueError as exc:
-                raise SwapError(f"manifest {path!r} is not valid JSON: {exc}") from None
-            if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
-                raise SwapError(f"{path!r} is not an aioswap swap manifest")
-            version = doc.get("version")
-            if not isinstance(version, int) or version > _VERSION:
-                raise SwapError(f"manifest {path!r} has format version {version!r}; this "
-                                f"aioswap reads version {_VERSION} (upgrade aioswap)")
-            items = doc.get("entries")
-            if not isinstance(items, list):
-                raise SwapError(f"manifest {path!r} has no entry list")
-            for item in items:
-                e = _Entry.from_json(item, path)
-                if e.name in self._entries:
-                    raise SwapError(f"manifest {path!r} names {e.name!r} twice")
-                self._entries[e.name] = e
-            seq = doc.get("seq", 0)
-            self._seq = max([seq if isinstance(seq, int) else 0]
-                            + [e.seq + 1 for e in self._entries.values()])
-        else:
-            self._write_manifest(self._entries)
-        referenced = {e.file for e in self._entries.values()}
-        for fname in os.listdir(self._dir):
-            if _DATA_RE.fullmatch(fname) and fname not in referenced:
-                _log.info("removing %s from %s: left by an interrupted swap", fname, self._dir)
-                try:
-                    os.unlink(os.path.join(self._dir, fname))
-                except FileNotFoundError:
-                    pass
+        Raises
+        ------
+        ValueError
+            No roots, or a negative rank.
+        """
+        if isinstance(roots, (str, os.PathLike)):
+            roots = [roots]
+        roots = list(roots)
+        if not roots:
+            raise ValueError("for_rank needs at least one root directory")
+        if rank is None or local_rank is None:
+            r, lr = current_rank()
+            rank = r if rank is None else rank
+            local_rank = lr if local_rank is None else local_rank
+        if rank < 0 or local_rank < 0:
+            raise ValueError(f"rank and local_rank must be >= 0, got {rank}, {local_rank}")
+        root = os.fspath(roots[local_rank % len(roots)])
+        return cls(os.path.join(root, name.format(rank=rank, local_rank=local_rank)), **kwargs)
 
     # -- properties ------------------------------------------------------------------------
     @property
     def directory(self) -> str:
         """Absolute path of the swap directory."""
-        return self._dir
+        return self._path
 
     @property
     def handle(self) -> AioHandle:
@@ -592,7 +536,7 @@ class TensorSwapper:
     @property
     def created_directory(self) -> bool:
         """Whether aioswap created the directory (so :meth:`destroy` may remove it)."""
-        return self._created
+        return self._dir.created
 
     @property
     def checksum_algo(self) -> str | None:
@@ -600,14 +544,14 @@ class TensorSwapper:
         return self._algo
 
     def __repr__(self) -> str:
-        state = " closed" if self._closed else f" {len(self._entries)} tensors"
-        return f"<TensorSwapper {self._dir!r}{state}>"
+        state = " closed" if self._closed else f" {len(self._m.entries)} tensors"
+        return f"<TensorSwapper {self._path!r}{state}>"
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._m.entries)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        return name in self._m.entries
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
@@ -621,9 +565,8 @@ class TensorSwapper:
         prefix : str, optional
             Only names that start with it.
         """
-        with self._lock:
-            entries = sorted(self._entries.values(), key=lambda e: e.seq)
-        return [e.name for e in entries if prefix is None or e.name.startswith(prefix)]
+        return [e.name for e in self._m.snapshot()
+                if prefix is None or e.name.startswith(prefix)]
 
     def info(self, name: str) -> SwapInfo:
         """What the manifest records about ``name``.
@@ -636,16 +579,22 @@ class TensorSwapper:
         with self._lock:
             e = self._lookup(name)
             released = name in self._released
-        return SwapInfo(e.name, os.path.join(self._dir, e.file), e.offset, e.nbytes,
+        return SwapInfo(e.name, self._dir.join(e.file), e.offset, e.nbytes,
                         _dtype_from_name(e.dtype), e.shape, e.stride, e.storage_offset,
                         e.checksum, e.checksum_algo, released)
 
-    def _lookup(self, name: str) -> _Entry:
+    def pack_usage(self) -> dict[str, tuple[int, int]]:
+        """Per pack file (absolute path): (bytes of live tensors, file size)."""
+        with self._lock:
+            usage = self._m.live_bytes()
+        return {self._dir.join(f): v for f, v in sorted(usage.items())}
+
+    def _lookup(self, name: str) -> Entry:
         if not isinstance(name, str):
             raise TypeError(f"swap names are str, got {type(name).__name__}")
-        e = self._entries.get(name)
+        e = self._m.entries.get(name)
         if e is None:
-            raise SwapError(f"no tensor named {name!r} is swapped out in {self._dir!r}")
+            raise SwapError(f"no tensor named {name!r} is swapped out in {self._path!r}")
         return e
 
     # -- swap out --------------------------------------------------------------------------
@@ -687,7 +636,8 @@ class TensorSwapper:
             Not a strided CPU/CUDA tensor, or a non-``str`` name.
         OSError
             The write failed (``EFBIG``/``ENOSPC`` for a full disk...): nothing is published
-            and the partial file is removed.
+            and the partial file is removed. An error raised after the new manifest was in
+            place (its final directory fsync) leaves the swap published.
         HandleClosedError
             The swapper (or its handle) is closed.
         """
@@ -695,13 +645,12 @@ class TensorSwapper:
         ev = self._claim([name], overwrite)
         try:
             with self._lock:
-                seq = self._seq
-                self._seq += 1
+                seq = self._m.next_seq(1)
 
             def job() -> SwapInfo:
                 try:
-                    entry = self._write(name, t, seq)
-                    self._commit(_Pending([entry], []))
+                    entry = self._write_single(name, t, seq)
+                    self._m.commit(Change([entry], [], files=[entry.file]))
                     with self._lock:
                         self._forget_release(name)
                         if release:
@@ -747,7 +696,8 @@ class TensorSwapper:
             if not st.resizable():
                 raise SwapError(f"swap_out of {name!r} with release=True: the tensor's storage "
                                 f"is not resizable (it came from numpy or a buffer, was "
-                                f"shared with numpy by .numpy(), or is locked memory), so it "
+                                f"shared with numpy by .numpy(), or is locked memory, e.g. "
+                                f"from swap_in_state_dict with pin_memory=None), so it "
                                 f"cannot be freed")
         # conj/neg bits are lazy: the memory holds the un-negated values
         if t.is_conj():
@@ -780,18 +730,7 @@ class TensorSwapper:
             if self._released_storages.get(key) == name:
                 del self._released_storages[key]
 
-    def _create_file(self, name: str) -> tuple[str, int]:
-        h = _file_hash(name)
-        while True:
-            fname = f"t-{h}-{os.urandom(8).hex()}.bin"
-            try:
-                fd = os.open(os.path.join(self._dir, fname),
-                             os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            except FileExistsError:     # pragma: no cover - 64 random bits
-                continue
-            return fname, fd
-
-    def _write(self, name: str, t: torch.Tensor, seq: int) -> _Entry:
+    def _write_single(self, name: str, t: torch.Tensor, seq: int) -> Entry:
         """Write ``t`` to a new, fsynced file; the checksum runs while the write is in flight."""
         shape = tuple(int(x) for x in t.shape)
         stride = tuple(int(x) for x in t.stride())
@@ -803,13 +742,13 @@ class TensorSwapper:
             self._staging.acquire(staged)
         try:
             src = t.contiguous() if staged else t
-            fname, fd = self._create_file(name)
+            fname, fd = self._dir.create_data(f"t-{_file_hash(name)}-")
             ok = False
             try:
                 fut = self._handle.pwrite(src, fd, 0, async_op=True, fsync=True)
                 assert isinstance(fut, concurrent.futures.Future)
                 try:
-                    digest = _digest(src, self._algo) if self._algo else None
+                    digest = _checksum.digest(src, self._algo) if self._algo else None
                 finally:
                     concurrent.futures.wait([fut])
                 fut.result()
@@ -821,12 +760,89 @@ class TensorSwapper:
             finally:
                 os.close(fd)
                 if not ok:
-                    self._unlink(fname)
+                    self._dir.unlink(fname)
         finally:
             if staged:
                 self._staging.release(staged)
-        return _Entry(name, fname, 0, nbytes, _dtype_name(t.dtype), shape, stride, soff,
-                      digest, self._algo if digest is not None else None, seq)
+        return Entry(name, fname, 0, nbytes, _dtype_name(t.dtype), shape, stride, soff,
+                     digest, self._algo if digest is not None else None, seq)
+
+    def _write_packs(self, jobs: list[_WriteJob], what: str) -> Change:
+        """Write ``jobs`` into new pack files with one batch of requests; fsync each file.
+
+        Returns the change that publishes them (not yet committed). On any error every pack
+        file written is removed and the error raised, after every request has finished.
+        """
+        # lay out: tensors in order, each at an aligned offset, a new pack past the cap
+        layout: list[list[tuple[_WriteJob, int]]] = []
+        pos = 0
+        for j in jobs:
+            n = j.src.numel() * j.src.element_size()
+            if not layout or (pos and pos + n > self._pack_bytes):
+                layout.append([])
+                pos = 0
+            layout[-1].append((j, pos))
+            pos = _round_up(pos + n)
+        files: list[tuple[str, int, int]] = []       # (name, fd, size)
+        futs: list[concurrent.futures.Future[int]] = []
+        entries: list[Entry] = []
+        ok = False
+        try:
+            for pack in layout:
+                last, off = pack[-1]
+                size = _round_up(off + last.src.numel() * last.src.element_size())
+                fname, fd = self._dir.create_data("p-")
+                files.append((fname, fd, size))
+                os.ftruncate(fd, size)
+                for j, off in pack:
+                    src = j.src
+                    n = src.numel() * src.element_size()
+                    digest, algo = j.checksum, j.checksum_algo
+                    if n:
+                        staged = 0
+                        if not src.is_contiguous():
+                            staged = n
+                            self._staging.acquire(staged)
+                            try:
+                                src = src.contiguous()
+                            except BaseException:
+                                self._staging.release(staged)
+                                raise
+                        try:
+                            fut = self._handle.pwrite(src, fd, off, async_op=True)
+                        except BaseException:
+                            if staged:
+                                self._staging.release(staged)
+                            raise
+                        assert isinstance(fut, concurrent.futures.Future)
+                        if staged:
+                            fut.add_done_callback(
+                                lambda _f, s=staged: self._staging.release(s))
+                        futs.append(fut)
+                    if digest is None and self._algo is not None:
+                        # hashed while this and the earlier writes are in flight
+                        digest, algo = _checksum.digest(src, self._algo), self._algo
+                    entries.append(Entry(j.name, fname, off, n, j.dtype, j.shape, j.stride,
+                                         j.storage_offset, digest, algo, j.seq))
+                    del src
+            concurrent.futures.wait(futs)
+            for f in futs:
+                f.result()
+            for _, fd, _ in files:
+                os.fsync(fd)
+            ok = True
+        except BaseException as exc:
+            _add_note(exc, f"aioswap: {what} failed; nothing was published and the swap "
+                           f"directory is unchanged")
+            raise
+        finally:
+            concurrent.futures.wait(futs)       # never unlink under requests in flight
+            for fname, fd, _ in files:
+                os.close(fd)
+                if not ok:
+                    self._dir.unlink(fname)
+        return Change(entries, [], files=[f for f, _, _ in files],
+                      packs={f: s for f, _, s in files})
 
     # -- swap in ---------------------------------------------------------------------------
     def swap_in(self, name: str, *, out: torch.Tensor | None = None, device: _Device = None,
@@ -854,112 +870,291 @@ class TensorSwapper:
         -------
         torch.Tensor or Future of torch.Tensor
             ``out``; else the released tensor itself, restored in place, when ``name`` was
-            swapped out with ``release=True`` in this swapper; else a new contiguous tensor.
+            swapped out with ``release=True`` in this swapper; else a new contiguous tensor
+            (page-locked with ``pin_memory=True``).
 
         Raises
         ------
         SwapError
             Unknown name; ``out`` of the wrong shape, dtype or without storage; the data file
-            is missing or its size differs from the manifest (truncated or extended:
-            checked before any I/O).
+            is missing, not a regular file (a symlink, a FIFO) or its size differs from the
+            manifest (truncated or extended: checked before any I/O).
         ChecksumError
             The bytes read do not match the checksum (``verify``). A tensor being restored in
             place is released again; ``out`` holds the unverified bytes.
         OSError
             The read failed.
         """
-        self._check_open()
-        verify = self._verify if verify is None else bool(verify)
-        while True:
+        if not isinstance(name, str):
+            raise TypeError(f"swap names are str, got {type(name).__name__}")
+        futs, job = self._start_reads([(name, out)], device, verify, self._pin is True, 0)
+        fut = futs[0]
+        if job is None:
+            pass
+        elif async_op:
             with self._lock:
-                ev = self._busy.get(name) if isinstance(name, str) else None
-                if ev is None:
-                    fut, job = self._start_read(name, out, device, verify)
-                    if job is not None and async_op:
-                        try:
-                            self._pool.submit(job)
-                        except BaseException:
-                            job(cancel=True)
-                            raise
-                        self._track(fut)
-                    break
-            ev.wait()
-        if job is not None and not async_op:
+                try:
+                    self._check_open()
+                    self._pool.submit(job)
+                except BaseException as exc:
+                    job.cancel(exc)
+                    raise
+                self._track(fut)
+        else:
             job()
         return fut if async_op else fut.result()
 
-    def _start_read(self, name: str, out: torch.Tensor | None, device: _Device, verify: bool
-                    ) -> tuple[concurrent.futures.Future[torch.Tensor],
-                               Callable[..., None] | None]:
-        """Validate a swap-in before any I/O; called with ``self._lock`` held.
+    def _start_reads(self, items: list[tuple[str, torch.Tensor | None]], device: _Device,
+                     verify: bool | None, pin: bool, budget: int
+                     ) -> tuple[list[concurrent.futures.Future[torch.Tensor]], _ReadJob | None]:
+        """Plan and open one batch of reads (all checks before any I/O).
 
-        Returns the future and the job that fulfils it (None: a swap-in already in flight
-        restores the same released tensor; its future is returned).
+        Returns one future per item and the job that runs the batch (None: nothing to read
+        here, every item is restored by a swap-in already in flight).
         """
-        import torch
         self._check_open()
-        e = self._lookup(name)
-        rel = self._released.get(name)
-        if out is not None and rel is not None and out is rel.tensor:
-            out = None
-        restore = rel if out is None else None
-        if restore is not None:
-            pending = self._restoring.get(name)
-            if pending is not None:
-                return pending, None
-            if device is not None and torch.device(device) != restore.tensor.device:
-                raise SwapError(f"swap_in of {name!r}: the tensor was released on "
-                                f"{restore.tensor.device} and is restored there, not on "
-                                f"{torch.device(device)}; pass out= to read elsewhere")
-        dtype = _dtype_from_name(e.dtype)
-        numel = 1
-        for s in e.shape:
-            numel *= s
-        if numel * torch.empty((), dtype=dtype).element_size() != e.nbytes:
-            raise SwapError(f"manifest entry of {name!r} is inconsistent: shape {e.shape} of "
-                            f"{e.dtype} is not {e.nbytes} bytes")
-        if out is not None:
-            self._check_out(name, e, out, dtype)
-        if verify and e.checksum_algo is not None:
-            _new_hasher(e.checksum_algo)        # algorithm available?
-        path = os.path.join(self._dir, e.file)
+        verify = self._verify if verify is None else bool(verify)
+        names = [n for n, _ in items]
+        while True:
+            with self._lock:
+                self._check_open()
+                waits = [self._busy[n] for n in names if n in self._busy]
+                if not waits:
+                    plans = self._plan_reads(items, device, verify)
+                    break
+            for w in waits:
+                w.wait()
+        fds: dict[str, int] = {}
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise SwapError(f"swap_in of {name!r}: its data file {path!r} is missing") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size != e.offset + e.nbytes:
-                what = "truncated" if size < e.offset + e.nbytes else "longer than recorded"
-                raise SwapError(f"swap_in of {name!r}: data file {path!r} is {what}: it has "
-                                f"{size} bytes, the manifest records {e.nbytes} bytes at "
-                                f"offset {e.offset} (the file was changed after swap_out)")
-        except BaseException:
-            os.close(fd)
+            self._open_files(plans, fds)
+        except BaseException as exc:
+            for fd in fds.values():
+                os.close(fd)
+            self._abandon(plans, exc)
             raise
-        fut: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
-        if restore is not None:
-            self._restoring[name] = fut
+        futs = [p.shared if p.shared is not None else p.fut for p in plans]
+        if all(p.shared is not None for p in plans):
+            return futs, None
+        return futs, _ReadJob(self, plans, fds, verify, pin, budget)
 
-        def job(cancel: bool = False) -> None:
-            try:
-                if cancel or not fut.set_running_or_notify_cancel():
-                    os.close(fd)
-                    if cancel:
-                        fut.cancel()
-                    return
-                try:
-                    fut.set_result(self._read(name, e, fd, path, out, restore, device, verify))
-                except BaseException as exc:
-                    fut.set_exception(exc)
-            finally:
+    def _plan_reads(self, items: list[tuple[str, torch.Tensor | None]], device: _Device,
+                    verify: bool) -> list[_ReadPlan]:
+        """Validate reads before any I/O; called with ``self._lock`` held."""
+        import torch
+        plans: list[_ReadPlan] = []
+        seen: set[str] = set()
+        for name, out in items:
+            e = self._lookup(name)
+            if name in seen:
+                raise SwapError(f"{name!r} appears twice in one request")
+            seen.add(name)
+            rel = self._released.get(name)
+            if out is not None and rel is not None and out is rel.tensor:
+                out = None
+            restore = rel if out is None else None
+            fut: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
+            plan = _ReadPlan(name, e, out, restore, fut, device)
+            if restore is not None:
+                pending = self._restoring.get(name)
+                if pending is not None:
+                    plan.shared = pending
+                    plans.append(plan)
+                    continue
+                if device is not None and torch.device(device) != restore.tensor.device:
+                    raise SwapError(f"swap_in of {name!r}: the tensor was released on "
+                                    f"{restore.tensor.device} and is restored there, not on "
+                                    f"{torch.device(device)}; pass out= to read elsewhere")
+            dtype = _dtype_from_name(e.dtype)
+            numel = 1
+            for s in e.shape:
+                numel *= s
+            if numel * dtype.itemsize != e.nbytes:
+                raise SwapError(f"manifest entry of {name!r} is inconsistent: shape {e.shape} "
+                                f"of {e.dtype} is not {e.nbytes} bytes")
+            if out is not None:
+                self._check_out(name, e, out, dtype)
+            if verify and e.checksum_algo is not None:
+                _checksum.new_hasher(e.checksum_algo)        # algorithm available?
+            plans.append(plan)
+        for p in plans:
+            if p.shared is None and p.restore is not None:
+                self._restoring[p.name] = p.fut
+        return plans
+
+    def _open_files(self, plans: list[_ReadPlan], fds: dict[str, int]) -> None:
+        """Open every data file of ``plans`` once and check its size (before any I/O)."""
+        for p in plans:
+            if p.shared is not None:
+                continue
+            e = p.entry
+            who = f"swap_in of {p.name!r}"
+            if e.file not in fds:
+                fd, size = self._dir.open_data(e.file, who)
+                fds[e.file] = fd
                 with self._lock:
-                    if self._restoring.get(name) is fut:
-                        del self._restoring[name]
+                    expected = self._m.expected_size(e)
+                path = self._dir.join(e.file)
+                if size != expected:
+                    os.close(fds.pop(e.file))
+                    what = "truncated" if size < expected else "longer than recorded"
+                    raise SwapError(f"{who}: data file {path!r} is {what}: it has {size} "
+                                    f"bytes, the manifest records {expected} bytes ({e.nbytes} "
+                                    f"bytes at offset {e.offset} for this tensor; the file "
+                                    f"was changed after swap_out)")
+            p.file_size = os.fstat(fds[e.file]).st_size
+            if e.offset + e.nbytes > p.file_size:
+                raise SwapError(f"{who}: the manifest places it past the end of "
+                                f"{self._dir.join(e.file)!r}")
 
-        return fut, job
+    def _abandon(self, plans: list[_ReadPlan], exc: BaseException) -> None:
+        """Fail the futures of plans that will not run."""
+        with self._lock:
+            for p in plans:
+                if self._restoring.get(p.name) is p.fut:
+                    del self._restoring[p.name]
+        for p in plans:
+            if p.shared is None and not p.fut.done():
+                p.fut.set_exception(exc)
 
-    def _check_out(self, name: str, e: _Entry, out: Any, dtype: torch.dtype) -> None:
+    def _allocate(self, p: _ReadPlan, pin: bool, budget: list[int]) -> None:
+        """Choose and make the destination of ``p`` (just before its read is submitted)."""
+        import torch
+        e = p.entry
+        dtype = _dtype_from_name(e.dtype)
+        p.nread = e.nbytes
+        if p.restore is not None:
+            target = p.restore.tensor
+            st = target.untyped_storage()
+            if st.nbytes() < p.restore.storage_nbytes:
+                st.resize_(p.restore.storage_nbytes)
+                p.resized = st
+                if not target.is_cuda:
+                    _prefault(st)
+        elif p.out is not None:
+            target = p.out
+        else:
+            padded = _round_up(e.nbytes)
+            device = p.device
+            cpu = device is None or torch.device(device).type == "cpu"
+            if cpu and e.nbytes and (pin or padded <= budget[0]):
+                from aioswap import pinned
+                if not pin:
+                    budget[0] -= padded
+                buf = pinned.empty(padded, torch.uint8, strict=False)
+                target = buf[:e.nbytes].view(dtype).view(e.shape)
+                if e.offset + padded <= p.file_size and e.offset % PACK_ALIGN == 0:
+                    p.nread = padded        # whole aligned blocks: direct I/O, no tail
+                p.flat = buf
+            else:
+                target = torch.empty(e.shape, dtype=dtype, device=device)
+                if not target.is_cuda:
+                    _prefault(target.untyped_storage())
+        p.target = target
+        dest = target.detach()
+        if dest.is_conj() or dest.is_neg():     # their memory is not their values: a copy
+            dest = torch.empty(e.shape, dtype=dtype, device=dest.device)
+        p.dest = dest
+        if p.flat is None and dest.is_contiguous() and not dest.is_cuda:
+            p.flat = dest.reshape(-1).view(torch.uint8)
+
+    def _submit(self, p: _ReadPlan, fd: int, verify: bool, futs: list[Any]) -> None:
+        """Queue the read(s) of ``p``; large verified reads in chunks hashed as they land."""
+        e = p.entry
+        if e.nbytes == 0:
+            return
+        assert p.dest is not None
+        hashed = verify and e.checksum_algo is not None
+        if p.flat is not None:
+            step = _checksum.HASH_CHUNK if hashed and p.nread > _SPLIT_READ else p.nread
+            for s in range(0, p.nread, step):
+                k = min(step, p.nread - s)
+                f = self._handle.pread(p.flat[s:s + k], fd, e.offset + s, async_op=True)
+                assert isinstance(f, concurrent.futures.Future)
+                futs.append(f)
+                p.pieces.append((f, s, min(k, e.nbytes - s)))
+        else:
+            f = self._handle.pread(p.dest, fd, e.offset, nbytes=e.nbytes, async_op=True)
+            assert isinstance(f, concurrent.futures.Future)
+            futs.append(f)
+            p.pieces.append((f, 0, e.nbytes))
+
+    def _check_piece_sums(self, p: _ReadPlan, verify: bool) -> None:
+        e = p.entry
+        algo = e.checksum_algo if verify else None
+        h = _checksum.new_hasher(algo) if algo is not None else None
+        for f, s, n in p.pieces:
+            f.result()
+            if h is not None and p.flat is not None and n > 0:
+                h.update(_checksum.host_bytes(p.flat[s:], n))
+        if algo is None:
+            return
+        assert p.dest is not None
+        if p.flat is None:
+            got = _checksum.digest(p.dest, algo)
+        else:
+            assert h is not None
+            got = str(h.hexdigest())
+        if got != e.checksum:
+            raise ChecksumError(f"swap_in of {p.name!r}: checksum mismatch in "
+                                f"{self._dir.join(e.file)!r} ({algo} of the {e.nbytes} bytes "
+                                f"read at offset {e.offset} is {got}, swap_out recorded "
+                                f"{e.checksum}): the file is corrupted")
+
+    def _execute(self, plans: list[_ReadPlan], fds: dict[str, int], verify: bool, pin: bool,
+                 budget: int) -> None:
+        """Run a batch of reads: allocate and submit all, verify each as it lands, finish."""
+        futs: list[concurrent.futures.Future[int]] = []
+        left = [budget]
+        first: BaseException | None = None
+        try:
+            try:
+                for p in plans:
+                    if p.shared is not None:
+                        continue
+                    try:
+                        self._allocate(p, pin, left)
+                        self._submit(p, fds[p.entry.file], verify, futs)
+                    except Exception as exc:        # this tensor fails; the others go on
+                        p.error = exc
+                for p in plans:
+                    if p.shared is None and p.error is None:
+                        try:
+                            self._check_piece_sums(p, verify)
+                        except Exception as exc:
+                            p.error = exc
+            finally:
+                concurrent.futures.wait(futs)   # never leave the kernel writing into dest
+                for fd in fds.values():
+                    os.close(fd)
+        except BaseException as exc:            # a signal: every request has finished
+            first = exc
+        for p in plans:
+            if p.shared is not None:
+                continue
+            err = p.error or first
+            if err is None and p.dest is not None and p.target is not None \
+                    and p.dest is not p.target and p.dest.data_ptr() != p.target.data_ptr():
+                try:
+                    p.target.detach().copy_(p.dest)     # conj/neg view: through a copy
+                except Exception as exc:
+                    err = exc
+            with self._lock:
+                if self._restoring.get(p.name) is p.fut:
+                    del self._restoring[p.name]
+                if err is None and p.restore is not None \
+                        and self._released.get(p.name) is p.restore:
+                    self._forget_release(p.name)
+            if err is not None:
+                if p.resized is not None:
+                    p.resized.resize_(0)    # still released: never hand out unverified data
+                p.fut.set_exception(err)
+            else:
+                assert p.target is not None
+                p.fut.set_result(p.target)
+        if first is not None:
+            raise first
+
+    def _check_out(self, name: str, e: Entry, out: Any, dtype: torch.dtype) -> None:
         import torch
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"swap_in of {name!r}: out must be a torch.Tensor, got "
@@ -977,79 +1172,6 @@ class TensorSwapper:
             raise SwapError(f"swap_in of {name!r}: out has no data (its storage holds "
                             f"{st.nbytes()} of the {_extent(out)} bytes it spans; released?)")
 
-    def _read(self, name: str, e: _Entry, fd: int, path: str, out: torch.Tensor | None,
-              restore: _Released | None, device: _Device, verify: bool) -> torch.Tensor:
-        import torch
-        dtype = _dtype_from_name(e.dtype)
-        resized = None
-        try:
-            if restore is not None:
-                target = restore.tensor
-                st = target.untyped_storage()
-                if st.nbytes() < restore.storage_nbytes:
-                    st.resize_(restore.storage_nbytes)
-                    resized = st
-                    if not target.is_cuda:
-                        _prefault(st)
-            elif out is not None:
-                target = out
-            elif (self._pin and e.nbytes
-                  and (device is None or torch.device(device).type == "cpu")):
-                from aioswap import pinned
-                target = pinned.empty(e.shape, dtype)
-            else:
-                target = torch.empty(e.shape, dtype=dtype, device=device)
-                if not target.is_cuda:
-                    _prefault(target.untyped_storage())
-            dest = target.detach()
-            lazy = dest.is_conj() or dest.is_neg()
-            if lazy:        # the memory of a conj/neg view is not its values: go through a copy
-                dest = torch.empty(e.shape, dtype=dtype, device=dest.device)
-            self._read_into(name, e, fd, path, dest, verify)
-            if lazy:
-                target.detach().copy_(dest)
-        except BaseException:
-            if resized is not None:
-                resized.resize_(0)      # still released: never hand out unverified data
-            raise
-        finally:
-            os.close(fd)
-        if restore is not None:
-            with self._lock:
-                if self._released.get(name) is restore:
-                    self._forget_release(name)
-        return target
-
-    def _read_into(self, name: str, e: _Entry, fd: int, path: str, dest: torch.Tensor,
-                   verify: bool) -> None:
-        algo = e.checksum_algo if verify else None
-        n = e.nbytes
-        if algo is not None and n > _SPLIT_READ and dest.is_contiguous() and not dest.is_cuda:
-            # hash each chunk as soon as it has landed, while the next ones are read
-            import torch
-            flat = dest.reshape(-1).view(torch.uint8)
-            futs: list[concurrent.futures.Future[int]] = []
-            try:
-                for s in range(0, n, _HASH_CHUNK):
-                    k = min(_HASH_CHUNK, n - s)
-                    part = self._handle.pread(flat[s:s + k], fd, e.offset + s, async_op=True)
-                    assert isinstance(part, concurrent.futures.Future)
-                    futs.append(part)
-                h = _new_hasher(algo)
-                for s, done in zip(range(0, n, _HASH_CHUNK), futs):
-                    done.result()
-                    h.update(_host_bytes(flat[s:s + _HASH_CHUNK]))
-                got = str(h.hexdigest())
-            finally:
-                concurrent.futures.wait(futs)    # never leave the kernel writing into dest
-        else:
-            self._handle.pread(dest, fd, e.offset, nbytes=n)
-            got = _digest(dest, algo) if algo is not None else ""
-        if algo is not None and got != e.checksum:
-            raise ChecksumError(f"swap_in of {name!r}: checksum mismatch in {path!r} "
-                                f"({algo} of the {n} bytes read is {got}, swap_out recorded "
-                                f"{e.checksum}): the file is corrupted")
-
     # -- state dicts -----------------------------------------------------------------------
     def swap_out_state_dict(self, prefix: str, state_dict: Mapping[str, torch.Tensor], *,
                             release: bool = False, overwrite: bool = False,
@@ -1057,9 +1179,11 @@ class TensorSwapper:
                             ) -> list[str] | concurrent.futures.Future[list[str]]:
         """Swap out every tensor of ``state_dict`` as ``prefix + key``, all or nothing.
 
-        The tensors are written concurrently; the whole dict is published by one manifest
-        update, so after a crash or a failed write either all of it is visible or none.
-        ``release`` frees each tensor's storage after that update.
+        The tensors are packed into one file (or several, each at most ``pack_bytes``), each
+        at a 4096-byte aligned offset, written with one batch of asynchronous requests,
+        fsynced once per file and published by one manifest update, so after a crash or a
+        failed write either all of it is visible or none. ``release`` frees each tensor's
+        storage after that update.
 
         Parameters
         ----------
@@ -1103,22 +1227,16 @@ class TensorSwapper:
         ev = self._claim(names, overwrite)
         try:
             with self._lock:
-                seq0 = self._seq
-                self._seq += len(items)
-                jobs = [self._pool.submit(self._write, n, t, seq0 + i)
-                        for i, (n, _, t) in enumerate(items)]
+                seq0 = self._m.next_seq(len(items))
+            jobs = [_WriteJob(n, t, _dtype_name(t.dtype), tuple(int(x) for x in t.shape),
+                              tuple(int(x) for x in t.stride()), int(t.storage_offset()),
+                              seq0 + i) for i, (n, _, t) in enumerate(items)]
 
             def finish() -> list[str]:
                 try:
-                    concurrent.futures.wait(jobs)
-                    failed = [j for j in jobs if j.exception() is not None]
-                    if failed:      # all or nothing: drop the files that were written
-                        for j in jobs:
-                            if j.exception() is None:
-                                self._unlink(j.result().file)
-                        failed[0].result()
                     if jobs:
-                        self._commit(_Pending([j.result() for j in jobs], []))
+                        change = self._write_packs(jobs, f"swap_out_state_dict({prefix!r})")
+                        self._m.commit(change)
                     with self._lock:
                         for n, tensor, _ in items:
                             self._forget_release(n)
@@ -1128,12 +1246,7 @@ class TensorSwapper:
                 finally:
                     self._unclaim(names, ev)
 
-            if not async_op:
-                return finish()
-            with self._lock:
-                fut = self._coord.submit(finish)
-                self._track(fut)
-            return fut
+            return self._run(finish, async_op)
         except BaseException:
             self._unclaim(names, ev)
             raise
@@ -1144,6 +1257,10 @@ class TensorSwapper:
                            ) -> dict[str, torch.Tensor] | concurrent.futures.Future[
                                dict[str, torch.Tensor]]:
         """Swap in every tensor whose name starts with ``prefix``, keyed without it.
+
+        All reads are submitted before any is waited for (one batch); each tensor's checksum
+        is checked as soon as it has landed. Fresh CPU tensors are page-locked up to
+        ``pin_budget`` bytes (see ``pin_memory``).
 
         Parameters
         ----------
@@ -1165,7 +1282,8 @@ class TensorSwapper:
         Raises
         ------
         SwapError
-            No name starts with ``prefix``; or as :meth:`swap_in`.
+            No name starts with ``prefix``; or as :meth:`swap_in` (the first error, after
+            every read has finished).
         """
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
@@ -1174,22 +1292,18 @@ class TensorSwapper:
         names = self.names(prefix)
         if not names:
             raise SwapError(f"no tensor whose name starts with {prefix!r} is swapped out in "
-                            f"{self._dir!r}")
+                            f"{self._path!r}")
         result: dict[str, Any] = {} if state_dict is None else state_dict
-        futs: list[concurrent.futures.Future[torch.Tensor]] = []
-        try:
-            for n in names:
-                key = n[len(prefix):]
-                cur = result.get(key)
-                out = cur if isinstance(cur, torch.Tensor) else None
-                f = self.swap_in(n, out=out, device=device, verify=verify, async_op=True)
-                assert isinstance(f, concurrent.futures.Future)
-                futs.append(f)
-        except BaseException:
-            concurrent.futures.wait(futs)
-            raise
+        items: list[tuple[str, torch.Tensor | None]] = []
+        for n in names:
+            cur = result.get(n[len(prefix):])
+            items.append((n, cur if isinstance(cur, torch.Tensor) else None))
+        budget = self._pin_budget_now() if self._pin is None else 0
+        futs, job = self._start_reads(items, device, verify, self._pin is True, budget)
 
         def finish() -> dict[str, torch.Tensor]:
+            if job is not None:
+                job()
             concurrent.futures.wait(futs)
             for f in futs:
                 exc = f.exception()
@@ -1202,13 +1316,30 @@ class TensorSwapper:
         if not async_op:
             return finish()
         with self._lock:
-            fut = self._coord.submit(finish)
+            try:
+                self._check_open()
+                fut = self._pool.submit(finish)
+            except BaseException as exc:
+                if job is not None:
+                    job.cancel(exc)
+                raise
             self._track(fut)
         return fut
 
-    # -- removal ---------------------------------------------------------------------------
+    def _pin_budget_now(self) -> int:
+        """The page-locked bytes one call may allocate (half of a finite RLIMIT_MEMLOCK)."""
+        budget = self._pin_budget
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        if os.geteuid() != 0 and soft != resource.RLIM_INFINITY:
+            budget = min(budget, soft // 2)
+        return budget
+
+    # -- removal, compaction ---------------------------------------------------------------
     def remove(self, name: str, *, force: bool = False) -> None:
-        """Delete the swap of ``name`` (manifest first, then its file).
+        """Delete the swap of ``name`` (manifest first, then its file when no longer used).
+
+        A tensor in a pack leaves a dead range there; the pack file is deleted with its last
+        live tensor (see :meth:`compact`).
 
         Raises
         ------
@@ -1233,7 +1364,7 @@ class TensorSwapper:
                         raise SwapError(f"{n!r} was swapped out with release=True and not "
                                         f"swapped in yet; removing it loses its data (swap it "
                                         f"in first, or pass force=True)")
-            self._commit(_Pending([], list(names)))
+            self._m.commit(Change([], list(names)))
             with self._lock:
                 for n in names:
                     self._forget_release(n)
@@ -1244,7 +1375,69 @@ class TensorSwapper:
         """Delete every swap in the directory (see :meth:`remove`)."""
         self.remove_many(self.names(), force=force)
 
-    # -- manifest --------------------------------------------------------------------------
+    def compact(self, threshold: float = 0.5) -> int:
+        """Rewrite the packs whose live bytes are below ``threshold`` of their size.
+
+        The live tensors of those packs are read (checksums verified), written into new
+        packs and published by one manifest update; the old packs are then deleted. Live
+        data is never modified in place, so a crash at any point leaves a valid directory.
+
+        Parameters
+        ----------
+        threshold : float
+            In [0, 1]; 1 rewrites every pack with any dead range.
+
+        Returns
+        -------
+        int
+            Bytes of disk space given back.
+        """
+        import torch
+        if not 0 <= threshold <= 1:
+            raise ValueError(f"threshold must be within [0, 1], got {threshold}")
+        self._check_open()
+        with self._lock:
+            usage = self._m.live_bytes()
+            victims = {f for f, (live, size) in usage.items()
+                       if size and live < threshold * size and live < _round_up(live) + size}
+            victims = {f for f in victims if usage[f][0] < usage[f][1]}
+            names = self._m.names_in(victims)
+        if not victims:
+            return 0
+        ev = self._claim(names, True)
+        try:
+            with self._lock:
+                entries = [self._m.entries[n] for n in names if n in self._m.entries]
+                entries = [e for e in entries if e.file in victims]
+            entries.sort(key=lambda e: e.seq)
+            fds: dict[str, int] = {}
+            jobs: list[_WriteJob] = []
+            try:
+                for e in entries:
+                    if e.file not in fds:
+                        fds[e.file] = self._dir.open_data(e.file, f"compact of {e.name!r}")[0]
+                    raw = torch.empty(e.nbytes, dtype=torch.uint8)
+                    if e.nbytes:
+                        self._handle.pread(raw, fds[e.file], e.offset)
+                    if e.checksum_algo is not None and self._verify:
+                        got = _checksum.digest(raw, e.checksum_algo)
+                        if got != e.checksum:
+                            raise ChecksumError(f"compact: checksum mismatch of {e.name!r} in "
+                                                f"{self._dir.join(e.file)!r}; nothing changed")
+                    jobs.append(_WriteJob(e.name, raw, e.dtype, e.shape, e.stride,
+                                          e.storage_offset, e.seq, e.checksum,
+                                          e.checksum_algo))
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+            before = sum(usage[f][1] for f in victims)
+            change = self._write_packs(jobs, "compact")
+            self._m.commit(change)
+            return before - sum(change.packs.values())
+        finally:
+            self._unclaim(names, ev)
+
+    # -- name claims -----------------------------------------------------------------------
     def _claim(self, names: list[str], overwrite: bool) -> threading.Event:
         """Wait until no operation is in flight on ``names``, then mark them busy."""
         if len(set(names)) != len(names):
@@ -1255,12 +1448,12 @@ class TensorSwapper:
                 waits = [self._busy[n] for n in names if n in self._busy]
                 if not waits:
                     if not overwrite:
-                        taken = [n for n in names if n in self._entries]
+                        taken = [n for n in names if n in self._m.entries]
                         if taken:
                             raise SwapError(f"{taken[0]!r} is already swapped out in "
-                                            f"{self._dir!r}; pass overwrite=True to replace it"
-                                            + (f" ({len(taken)} names taken)"
-                                               if len(taken) > 1 else ""))
+                                            f"{self._path!r}; pass overwrite=True to replace "
+                                            f"it" + (f" ({len(taken)} names taken)"
+                                                     if len(taken) > 1 else ""))
                     ev = threading.Event()
                     for n in names:
                         self._busy[n] = ev
@@ -1275,73 +1468,6 @@ class TensorSwapper:
                     del self._busy[n]
         ev.set()
 
-    def _commit(self, change: _Pending) -> None:
-        """Publish ``change`` durably (group commit with concurrent changes)."""
-        with self._lock:
-            self._staged.append(change)
-        with self._commit_lock:
-            if not change.done:
-                with self._lock:
-                    batch, self._staged = self._staged, []
-                    new = dict(self._entries)
-                    for p in batch:
-                        for e in p.puts:
-                            old = new.get(e.name)
-                            if old is not None:
-                                p.obsolete.append(old.file)
-                            new[e.name] = e
-                        for n in p.deletes:
-                            old = new.pop(n, None)
-                            if old is not None:
-                                p.obsolete.append(old.file)
-                try:
-                    self._write_manifest(new)
-                except BaseException as exc:
-                    for p in batch:
-                        p.error, p.done = exc, True
-                        for e in p.puts:
-                            self._unlink(e.file)
-                else:
-                    with self._lock:
-                        self._entries = new
-                    for p in batch:
-                        p.done = True
-                        for f in p.obsolete:
-                            self._unlink(f)
-        if change.error is not None:
-            raise change.error
-
-    def _write_manifest(self, entries: Mapping[str, _Entry]) -> None:
-        items = sorted(entries.values(), key=lambda e: e.seq)
-        doc = {"format": _FORMAT, "version": _VERSION, "seq": self._seq,
-               "entries": [e.to_json() for e in items]}
-        data = json.dumps(doc, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-        tmp = os.path.join(self._dir, _MANIFEST_TMP)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
-                     0o644)
-        try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            _fsync_dir(self._dir_fd)     # the data files it names are durable entries first
-            os.replace(tmp, os.path.join(self._dir, MANIFEST_NAME))
-        except BaseException:
-            self._unlink(_MANIFEST_TMP)
-            raise
-        _fsync_dir(self._dir_fd)
-
-    def _unlink(self, fname: str) -> None:
-        try:
-            os.unlink(os.path.join(self._dir, fname))
-        except FileNotFoundError:
-            pass
-        except OSError as exc:      # an orphan is removed at the next open anyway
-            _log.warning("could not remove %s from %s: %s", fname, self._dir, exc)
-
     # -- futures, closing ------------------------------------------------------------------
     def _run(self, job: Callable[[], _T], async_op: bool) -> _T | concurrent.futures.Future[_T]:
         if not async_op:
@@ -1354,9 +1480,9 @@ class TensorSwapper:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise HandleClosedError(f"TensorSwapper of {self._dir!r} is closed")
+            raise HandleClosedError(f"TensorSwapper of {self._path!r} is closed")
         if self._handle.closed:
-            raise HandleClosedError(f"the AioHandle of TensorSwapper {self._dir!r} is closed")
+            raise HandleClosedError(f"the AioHandle of TensorSwapper {self._path!r} is closed")
 
     def _track(self, fut: concurrent.futures.Future[Any]) -> None:
         """Remember an async future for wait(); called with ``self._lock`` held."""
@@ -1413,20 +1539,20 @@ class TensorSwapper:
             if not batch:
                 break
             concurrent.futures.wait(batch)
-        self._coord.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         try:
             if self._own_handle:
                 self._handle.close()
         finally:
-            self._unlock()
+            self._dir.close()
 
     def destroy(self, *, force: bool = False) -> None:
         """Delete every swap, aioswap's own files, and the directory if aioswap created it.
 
-        Only the manifest, the lock and marker files and files of the data-file pattern are
-        removed; the directory is removed (``os.rmdir``, never a tree) only when a swapper
-        created it and it is empty then. Closes the swapper.
+        Only the manifest, the lock and marker files and files of the data-file patterns are
+        removed (an ``orphans/`` folder is kept); the directory is removed (``os.rmdir``,
+        never a tree) only when a swapper created it and it is empty then. Closes the
+        swapper.
 
         Raises
         ------
@@ -1435,19 +1561,16 @@ class TensorSwapper:
         """
         self.clear(force=force)
         self.wait()
-        with self._commit_lock:      # still locked: nobody else can be using the directory
-            for fname in os.listdir(self._dir):
-                if _DATA_RE.fullmatch(fname) or fname in (MANIFEST_NAME, _MANIFEST_TMP):
-                    self._unlink(fname)
-        created = self._created
-        self._unlink(_CREATED_NAME)
+        with self._m.exclusive():      # still locked: nobody else can be using the directory
+            self._dir.remove_own_files()
+        created = self._dir.created
         self.close()
-        self._unlink(_LOCK_NAME)
+        self._dir.unlink("aioswap.lock")
         if created:
             try:
-                os.rmdir(self._dir)
+                os.rmdir(self._path)
             except OSError as exc:
-                _log.warning("kept swap directory %s: %s", self._dir, exc)
+                _log.warning("kept swap directory %s: %s", self._path, exc)
 
     def __enter__(self) -> TensorSwapper:
         return self

@@ -89,7 +89,13 @@ def _check(snap: dict[str, tuple[bytes, tuple[int, ...], torch.dtype]],
 
 
 def _data_files(d: Path) -> list[str]:
-    return sorted(p.name for p in d.iterdir() if p.name.startswith("t-"))
+    """Single-tensor files (t-) and packs (p-)."""
+    return sorted(p.name for p in d.iterdir() if p.name[:2] in ("t-", "p-"))
+
+
+def _allocated(p: Path) -> int:
+    """Bytes of ``p`` that hold data (packs are sized up front, then filled)."""
+    return p.stat().st_blocks * 512
 
 
 def _manifest(d: Path) -> dict:
@@ -466,7 +472,7 @@ def test_sigkill_mid_swap_out(tmp_dir: Path, mode: str) -> None:
         partial = []
         while time.monotonic() < deadline:      # kill once the big file is being written
             partial = [f for f in _data_files(d) if f not in published
-                       and (d / f).stat().st_size > 8 * MiB]
+                       and _allocated(d / f) > 8 * MiB]
             if partial:
                 break
             time.sleep(0.005)
@@ -482,7 +488,7 @@ def test_sigkill_mid_swap_out(tmp_dir: Path, mode: str) -> None:
         if p.stderr:
             p.stderr.close()
     assert p.returncode == -signal.SIGKILL
-    size = (d / partial[0]).stat().st_size
+    size = _allocated(d / partial[0])
     assert 0 < size < 512 * MiB                       # really interrupted mid-write
     with TensorSwapper(d, verify=True) as sw:
         assert sw.names() == [f"small{i}" for i in range(5)] + ["old"]

@@ -1,0 +1,539 @@
+"""The swap directory and its manifest: lock, created-marker, orphans, entries, group commit.
+
+``SwapDirectory`` owns the directory: it creates it (mode 0700 by default) or finds it, locks
+it (``flock`` on ``aioswap.lock``), marks a directory it created (``aioswap-created``), creates
+data files (``O_EXCL|O_NOFOLLOW``, mode 0600 by default) and opens them for reading without
+ever following a symlink or blocking on a FIFO, and deals with files no manifest accounts for.
+
+``Manifest`` owns ``aioswap-manifest.json``: it parses versions 1 and 2 (every field checked:
+a bad one raises ``SwapError``), keeps the published entries, and publishes changes with a
+group commit (one atomic manifest write for every change staged while the previous write
+ran). A data file is deleted once no published entry names it any more (per-file reference
+counting) and only after the manifest that dropped it is durable.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import stat
+import threading
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aioswap.errors import SwapError
+
+__all__ = ["MANIFEST_NAME", "ORPHANS_DIR", "Entry", "Manifest", "SwapDirectory",
+           "is_data_file"]
+
+_log = logging.getLogger("aioswap")
+
+#: File name of the manifest inside a swap directory.
+MANIFEST_NAME = "aioswap-manifest.json"
+MANIFEST_TMP = MANIFEST_NAME + ".tmp"
+LOCK_NAME = "aioswap.lock"
+CREATED_NAME = "aioswap-created"
+#: Subdirectory that receives data files found in a directory without a manifest.
+ORPHANS_DIR = "orphans"
+FORMAT = "aioswap-swap"
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+# t-<sha256 of the name, 32 hex>-<random>.bin: one tensor (swap_out, and every version-1 file)
+# p-<random, 32 hex>.bin: a pack of several tensors (swap_out_state_dict, version 2)
+_DATA_RE = re.compile(r"t-[0-9a-f]{32}-[0-9a-f]{16}\.bin|p-[0-9a-f]{32}\.bin")
+_PACK_RE = re.compile(r"p-[0-9a-f]{32}\.bin")
+
+
+def is_data_file(fname: str) -> bool:
+    """Whether ``fname`` has the name of an aioswap data file (single tensor or pack)."""
+    return _DATA_RE.fullmatch(fname) is not None
+
+
+def is_pack_file(fname: str) -> bool:
+    """Whether ``fname`` has the name of a pack file."""
+    return _PACK_RE.fullmatch(fname) is not None
+
+
+def _dir_mode(mode: int) -> int:
+    """The mode of a created directory for file mode ``mode``: x wherever r or w is set."""
+    d = mode & 0o777
+    for shift in (6, 3, 0):
+        if (d >> shift) & 0o6:
+            d |= 1 << shift
+    return d
+
+
+# ----------------------------------------------------------------------------------------
+# Entries
+
+
+def _nonneg_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One published swap, as the manifest stores it."""
+
+    name: str
+    file: str
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    checksum: str | None
+    checksum_algo: str | None
+    seq: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "file": self.file, "offset": self.offset,
+                "nbytes": self.nbytes, "dtype": self.dtype, "shape": list(self.shape),
+                "stride": list(self.stride), "storage_offset": self.storage_offset,
+                "checksum": self.checksum, "checksum_algo": self.checksum_algo,
+                "seq": self.seq}
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> Entry:
+        """Parse one entry; any malformed field raises :class:`SwapError`."""
+        def bad(what: str) -> SwapError:
+            return SwapError(f"{where}: malformed manifest entry ({what}): {d!r:.200}")
+
+        if not isinstance(d, dict):
+            raise bad("not an object")
+        try:
+            name, file, dtype = d["name"], d["file"], d["dtype"]
+            ints = [d["offset"], d["nbytes"], d["storage_offset"], d["seq"]]
+            shape, stride = d["shape"], d["stride"]
+            checksum, algo = d["checksum"], d["checksum_algo"]
+        except KeyError as exc:
+            raise bad(f"missing {exc.args[0]!r}") from None
+        if not isinstance(name, str) or not isinstance(dtype, str):
+            raise bad("name and dtype must be strings")
+        if not isinstance(file, str) or not is_data_file(file):
+            raise bad("file is not a swap data file name")   # never follow other paths
+        if not isinstance(shape, list) or not isinstance(stride, list):
+            raise bad("shape and stride must be lists")
+        if len(shape) != len(stride):
+            raise bad("shape and stride must have the same length")
+        if not all(_nonneg_int(v) for v in ints + shape + stride):
+            raise bad("offsets, sizes, shape and stride must be integers >= 0")
+        if (checksum is None) != (algo is None) or not (
+                checksum is None or (isinstance(checksum, str) and isinstance(algo, str))):
+            raise bad("checksum and checksum_algo must be strings or both null")
+        return cls(name, file, ints[0], ints[1], dtype, tuple(shape), tuple(stride), ints[2],
+                   checksum, algo, ints[3])
+
+
+# ----------------------------------------------------------------------------------------
+# The directory
+
+
+class SwapDirectory:
+    """A locked swap directory: creation, marker, data files, orphans, removal."""
+
+    def __init__(self, path: str, mode: int) -> None:
+        self.path = path
+        self.mode = mode
+        self.dir_fd = -1
+        self._lock_fd = -1
+        created = False
+        if not os.path.isdir(path):
+            try:
+                os.makedirs(path, mode=_dir_mode(mode))
+                created = True
+            except FileExistsError:
+                if not os.path.isdir(path):
+                    raise NotADirectoryError(f"swap directory {path!r} exists and is "
+                                             f"not a directory") from None
+        self.dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if created:
+                os.fchmod(self.dir_fd, _dir_mode(mode))     # exact, whatever the umask
+            self._lock()
+            if created:
+                fd = self.create(CREATED_NAME)
+                try:
+                    os.write(fd, b"created by aioswap.TensorSwapper; destroy() removes this "
+                                 b"directory\n")
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self.fsync()
+                parent = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fsync(parent)
+                finally:
+                    os.close(parent)
+            self.created = created or os.path.exists(os.path.join(path, CREATED_NAME))
+        except BaseException:
+            self.close()
+            raise
+
+    def _lock(self) -> None:
+        import fcntl
+        fd = os.open(os.path.join(self.path, LOCK_NAME),
+                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, self.mode)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            finally:
+                os.close(fd)
+            raise SwapError(f"swap directory {self.path!r} is in use by another "
+                            f"TensorSwapper (pid {holder}); close it first") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        """Unlock (closing the lock fd releases the flock) and close the directory."""
+        for attr in ("_lock_fd", "dir_fd"):
+            fd = getattr(self, attr)
+            if fd >= 0:
+                setattr(self, attr, -1)
+                os.close(fd)
+
+    def join(self, fname: str) -> str:
+        return os.path.join(self.path, fname)
+
+    def fsync(self) -> None:
+        os.fsync(self.dir_fd)
+
+    def create(self, fname: str) -> int:
+        """Create ``fname`` exclusively (never through a symlink), with exactly ``mode``."""
+        fd = os.open(self.join(fname),
+                     os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     self.mode)
+        try:
+            os.fchmod(fd, self.mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def create_data(self, stem: str) -> tuple[str, int]:
+        """A new data file ``<stem><random>.bin``; returns its name and an O_RDWR fd."""
+        while True:
+            fname = f"{stem}{os.urandom(16 if stem == 'p-' else 8).hex()}.bin"
+            try:
+                return fname, self.create(fname)
+            except FileExistsError:     # pragma: no cover - 64+ random bits
+                continue
+
+    def open_data(self, fname: str, who: str) -> tuple[int, int]:
+        """Open a data file for reading; returns (fd, size).
+
+        ``O_NOFOLLOW``: a symlink planted in place of a data file is refused, never followed;
+        ``O_NONBLOCK``: a FIFO there cannot block the open, and is refused as not a regular
+        file (O_NONBLOCK has no effect on regular files).
+        """
+        path = self.join(fname)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise SwapError(f"{who}: its data file {path!r} is missing") from None
+        except OSError as exc:
+            if os.path.islink(path):
+                raise SwapError(f"{who}: its data file {path!r} was replaced by a symbolic "
+                                f"link; aioswap never follows links for data files") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SwapError(f"{who}: its data file {path!r} is not a regular file "
+                                f"(mode {stat.filemode(st.st_mode)}); refusing to read it")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st.st_size
+
+    def unlink(self, fname: str) -> None:
+        try:
+            os.unlink(self.join(fname))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:      # an orphan is removed at the next open anyway
+            _log.warning("could not remove %s from %s: %s", fname, self.path, exc)
+
+    def data_files(self) -> list[str]:
+        return sorted(f for f in os.listdir(self.path) if is_data_file(f))
+
+    def remove_unreferenced(self, referenced: set[str]) -> None:
+        """Remove data files the (known, valid) manifest does not name.
+
+        Those are left by an interrupted swap, or are old versions whose removal was
+        interrupted: the published manifest never needs them.
+        """
+        for fname in self.data_files():
+            if fname not in referenced:
+                _log.info("removing %s from %s: left by an interrupted swap", fname, self.path)
+                self.unlink(fname)
+
+    def keep_orphans(self) -> None:
+        """Move data files of a directory without a manifest to ``orphans/``, loudly.
+
+        Without a manifest nothing says which of them hold complete data, nor what they are;
+        they are not deleted (a user may have lost the manifest, not the data).
+        """
+        files = self.data_files()
+        if not files:
+            return
+        dest = self.join(ORPHANS_DIR)
+        try:
+            os.mkdir(dest, _dir_mode(self.mode))
+        except FileExistsError:
+            pass
+        dfd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            for fname in files:
+                os.rename(fname, fname, src_dir_fd=self.dir_fd, dst_dir_fd=dfd)
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        self.fsync()
+        warnings.warn(f"swap directory {self.path!r} has no manifest but {len(files)} aioswap "
+                      f"data file(s); they were moved, not deleted, to {dest!r} (remove them "
+                      f"when they are not needed)", RuntimeWarning, stacklevel=4)
+
+    def remove_own_files(self) -> None:
+        """Remove data files, manifest and marker (never other files, never a tree)."""
+        for fname in os.listdir(self.path):
+            if is_data_file(fname) or fname in (MANIFEST_NAME, MANIFEST_TMP, CREATED_NAME):
+                self.unlink(fname)
+
+
+# ----------------------------------------------------------------------------------------
+# The manifest
+
+
+@dataclass
+class Change:
+    """Manifest changes waiting for a group commit.
+
+    ``files``: data files written for ``puts`` (removed if the change is not published);
+    ``packs``: sizes of new pack files.
+    """
+
+    puts: list[Entry]
+    deletes: list[str]
+    files: list[str] = field(default_factory=list)
+    packs: dict[str, int] = field(default_factory=dict)
+    done: bool = False
+    error: BaseException | None = None
+
+
+class Manifest:
+    """The published entries of a swap directory and their atomic, group-committed updates.
+
+    ``lock`` guards ``entries``/``packs`` (shared with the swapper's own state).
+    """
+
+    def __init__(self, directory: SwapDirectory, lock: threading.RLock) -> None:
+        self._dir = directory
+        self._lock = lock
+        self._commit_lock = threading.Lock()
+        self._staged: list[Change] = []
+        self.entries: dict[str, Entry] = {}
+        self.packs: dict[str, int] = {}
+        self.seq = 0
+        self.version = VERSION
+        self._load()
+
+    @property
+    def path(self) -> str:
+        return self._dir.join(MANIFEST_NAME)
+
+    def _load(self) -> None:
+        path = self.path
+        self._dir.unlink(MANIFEST_TMP)     # never valid: its rename did not happen
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            fd = -1
+        if fd < 0:
+            self._dir.keep_orphans()
+            self._publish(self.entries, self.packs)
+            return
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SwapError(f"manifest {path!r} is not a regular file")
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                raw = f.read()
+        finally:
+            os.close(fd)
+        try:
+            doc = json.loads(raw)
+        except ValueError as exc:
+            raise SwapError(f"manifest {path!r} is not valid JSON: {exc}") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise SwapError(f"{path!r} is not an aioswap swap manifest")
+        version = doc.get("version")
+        if version not in READABLE_VERSIONS or isinstance(version, bool):
+            raise SwapError(f"manifest {path!r} has format version {version!r}; this aioswap "
+                            f"reads versions {', '.join(map(str, READABLE_VERSIONS))} "
+                            f"(upgrade aioswap)")
+        self.version = int(version)
+        items = doc.get("entries")
+        if not isinstance(items, list):
+            raise SwapError(f"manifest {path!r} has no entry list")
+        for item in items:
+            e = Entry.from_json(item, path)
+            if e.name in self.entries:
+                raise SwapError(f"manifest {path!r} names {e.name!r} twice")
+            if version == 1 and (e.offset != 0 or is_pack_file(e.file)):
+                raise SwapError(f"{path!r}: malformed version-1 entry of {e.name!r} "
+                                f"(file {e.file!r} at offset {e.offset})")
+            self.entries[e.name] = e
+        packs = doc.get("packs", {})
+        if not isinstance(packs, dict) or not all(
+                isinstance(k, str) and is_pack_file(k) and _nonneg_int(v)
+                for k, v in packs.items()):
+            raise SwapError(f"manifest {path!r}: malformed pack list: {packs!r:.200}")
+        self.packs = dict(packs)
+        for e in self.entries.values():
+            if is_pack_file(e.file) and e.file not in self.packs:
+                raise SwapError(f"manifest {path!r}: entry {e.name!r} names pack {e.file!r}, "
+                                f"which the pack list does not record")
+        seq = doc.get("seq", 0)
+        self.seq = max([seq if _nonneg_int(seq) else 0]
+                       + [e.seq + 1 for e in self.entries.values()])
+        self._dir.remove_unreferenced(self.referenced(self.entries))
+
+    @staticmethod
+    def referenced(entries: Mapping[str, Entry]) -> set[str]:
+        return {e.file for e in entries.values()}
+
+    def next_seq(self, n: int) -> int:
+        """Reserve ``n`` submission numbers; called with ``lock`` held."""
+        s = self.seq
+        self.seq += n
+        return s
+
+    def expected_size(self, e: Entry) -> int:
+        """Size the data file of ``e`` must have (packs: recorded; single files: exact)."""
+        if is_pack_file(e.file):
+            return self.packs.get(e.file, -1)
+        return e.offset + e.nbytes
+
+    def live_bytes(self) -> dict[str, tuple[int, int]]:
+        """Per pack: (bytes of live entries, file size); called with ``lock`` held."""
+        live: dict[str, int] = {}
+        for e in self.entries.values():
+            if e.file in self.packs:
+                live[e.file] = live.get(e.file, 0) + e.nbytes
+        return {f: (live.get(f, 0), size) for f, size in self.packs.items()}
+
+    def commit(self, change: Change) -> None:
+        """Publish ``change`` durably (group commit with concurrent changes).
+
+        Raises the error of the manifest write. If the new manifest was already renamed
+        into place when the error came (e.g. EIO from the last directory fsync, or a signal),
+        the change counts as published: its data files are kept, and so are the files it
+        made obsolete (whichever manifest the disk holds decides at the next open).
+        """
+        with self._lock:
+            self._staged.append(change)
+        with self._commit_lock:
+            if not change.done:
+                with self._lock:
+                    batch, self._staged = self._staged, []
+                    new = dict(self.entries)
+                    packs = dict(self.packs)
+                    for c in batch:
+                        for e in c.puts:
+                            new[e.name] = e
+                        for n in c.deletes:
+                            new.pop(n, None)
+                        packs.update(c.packs)
+                    old_files = self.referenced(self.entries)
+                    new_files = self.referenced(new)
+                    packs = {f: s for f, s in packs.items() if f in new_files}
+                published = False
+                try:
+                    published = self._publish(new, packs)
+                except BaseException as exc:
+                    published = getattr(exc, "_aioswap_published", False)
+                    if published:
+                        with self._lock:
+                            self.entries, self.packs = new, packs
+                    for c in batch:
+                        c.error, c.done = exc, True
+                        if not published:
+                            for f in c.files:
+                                self._dir.unlink(f)
+                else:
+                    with self._lock:
+                        self.entries, self.packs = new, packs
+                    for c in batch:
+                        c.done = True
+                        # files written by a change but overwritten in the same batch
+                        for f in c.files:
+                            if f not in new_files:
+                                self._dir.unlink(f)
+                    for f in sorted(old_files - new_files):
+                        self._dir.unlink(f)
+        if change.error is not None:
+            raise change.error
+
+    def _publish(self, entries: Mapping[str, Entry], packs: Mapping[str, int]) -> bool:
+        """Write the manifest atomically; True once renamed into place.
+
+        An exception raised once the rename may have happened carries
+        ``_aioswap_published = True``.
+        """
+        items = sorted(entries.values(), key=lambda e: e.seq)
+        doc = {"format": FORMAT, "version": VERSION, "seq": self.seq,
+               "packs": dict(sorted(packs.items())),
+               "entries": [e.to_json() for e in items]}
+        data = json.dumps(doc, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+        tmp = self._dir.join(MANIFEST_TMP)
+        renaming = False
+        try:
+            self._dir.unlink(MANIFEST_TMP)
+            fd = self._dir.create(MANIFEST_TMP)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._dir.fsync()           # the data files it names are durable entries first
+            renaming = True
+            os.replace(tmp, self.path)
+            self._dir.fsync()
+        except BaseException as exc:
+            # the rename happened iff the temporary name is gone (checked, not tracked: a
+            # signal may land between os.replace returning and any flag being set)
+            if renaming and not os.path.lexists(tmp):
+                try:
+                    exc._aioswap_published = True       # type: ignore[attr-defined]
+                except AttributeError:                  # pragma: no cover
+                    pass
+                raise
+            self._dir.unlink(MANIFEST_TMP)
+            raise
+        self.version = VERSION
+        return True
+
+    def exclusive(self) -> threading.Lock:
+        """The lock held while the manifest is written (hold it to keep writers out)."""
+        return self._commit_lock
+
+    def snapshot(self) -> list[Entry]:
+        with self._lock:
+            return sorted(self.entries.values(), key=lambda e: e.seq)
+
+    def names_in(self, files: Iterable[str]) -> list[str]:
+        fs = set(files)
+        with self._lock:
+            return [e.name for e in self.entries.values() if e.file in fs]
