@@ -1,146 +1,212 @@
-"""The ``aioswap`` command: ``info``, ``bench`` and ``tune``.
+"""The aioswap command: info, bench and tune.
 
-Exit status: 0 on success, 2 for bad input (missing or unwritable directory, a size of 0, a
-file system without ``O_DIRECT``), 1 for failures while measuring.
+  aioswap info  [--dir DIR] [--json]      what this machine and DIR's drive support
+  aioswap bench [--dir DIR] [--size 1G]   aioswap against buffered I/O, median of rounds
+  aioswap tune  --dir DIR [--plot F.png]  sweep the "aio" knobs, print the best section
+
+Exit status: 0 on success (bench also when some methods were skipped, as it says), 2 for
+input or an environment that cannot work (bad sizes or knobs, a missing, unwritable or
+non-file-creating directory, no O_DIRECT, no torch, not enough memory or disk, a full disk,
+a closed pipe), 1 when a sweep measured nothing, 130 when interrupted.
+Units: GB/s = 10^9 bytes per second; sizes take K/M/G/T as powers of 1024; a ratio is
+aioswap / other, so bigger is better.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
+import math
 import os
 import platform
-import re
 import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, NoReturn
 
-from aioswap import _aio
-from aioswap.errors import DirectIOUnsupportedError
+from aioswap._units import GB, UNITS_NOTE, format_size, parse_size, short_size
+from aioswap.config import DEFAULT_CONFIG, AioConfig
+from aioswap.errors import ConfigError, DirectIOUnsupportedError, TuneError
+from aioswap.tune.measure import drop_cache  # noqa: F401  (transitional: use benchmarks/_common)
 
-__all__ = ["drop_cache", "format_size", "main", "parse_size"]
+if TYPE_CHECKING:
+    from aioswap import tune as tune_mod
 
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+__all__ = ["format_size", "main", "parse_size"]
+
+#: bench refuses smaller sizes: the timings would be noise (and 0.00 GB/s at two decimals).
+MIN_BENCH_SIZE = 1 << 20
+_SLACK = 64 << 20   # memory and disk kept free beyond what the buffers and files need
+_TORCH_HINT = ("pip install torch (the CPU build is enough: pip install torch --index-url "
+               "https://download.pytorch.org/whl/cpu)")
 
 
 class UsageError(Exception):
-    """Bad input: reported with exit status 2."""
+    """Bad input or an environment that cannot work: one line on stderr, exit status 2."""
 
 
-def parse_size(text: str) -> int:
-    """Parse ``"1G"``, ``"400M"``, ``"64K"``, ``"4096"`` (powers of 1024) into bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
-    if m is None:
-        raise argparse.ArgumentTypeError(
-            f"invalid size {text!r}: use a number with an optional K, M, G or T suffix "
-            f"(powers of 1024), e.g. 64M or 1G")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return value
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``aioswap bench: error: ... (see aioswap bench -h)``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
-def format_size(n: int) -> str:
-    """``1073741824`` → ``"1 GiB"``; binary units, as the sizes are parsed."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            v = n / scale
-            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.2f} {unit}"
-    return f"{n} B"
+def _size_type(minimum: int = 1) -> Callable[[str], int]:
+    def size(text: str) -> int:
+        try:
+            return parse_size(text, minimum=minimum)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return size
 
 
-# ------------------------------------------------------------------------------- info
+def _int_type(minimum: int) -> Callable[[str], int]:
+    def integer(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return integer
 
 
-def _cap_ipc_lock() -> bool:
+# ------------------------------------------------------------------------------ probes
+
+
+def _read(path: str) -> str | None:
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> 14 & 1)
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read().strip()
     except OSError:
-        pass
-    return False
+        return None
 
 
 def _read_int(path: str) -> int | None:
+    text = _read(path)
     try:
-        with open(path) as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
+        return int(text.split()[0]) if text else None
+    except ValueError:
         return None
+
+
+def _cap_ipc_lock() -> bool:
+    for line in (_read("/proc/self/status") or "").splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> 14 & 1)
+    return False
 
 
 def _fs_type(path: str) -> str | None:
     best, fstype = "", None
     real = os.path.realpath(path)
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                parts = line.split()
-                mnt = parts[1].replace("\\040", " ")
-                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                    best, fstype = mnt, parts[2]
-    except OSError:
-        pass
+    for line in (_read("/proc/self/mounts") or "").splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mnt = parts[1].replace("\\040", " ")
+        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+            best, fstype = mnt, parts[2]
     return fstype
 
 
-def _check_dir(path: str) -> str:
+_RAM_FS = ("tmpfs", "ramfs")
+
+
+def _ram_warning(path: str, fs_type: str | None) -> str | None:
+    real = os.path.realpath(path)
+    if fs_type in _RAM_FS or real == "/dev/shm" or real.startswith("/dev/shm/"):
+        return (f"{path} is on {fs_type or 'a RAM file system'}: the figures measure memory, "
+                f"not a drive (use --dir on the drive to measure)")
+    return None
+
+
+def _check_dir(path: str, flag: str = "--dir") -> str:
     if not os.path.exists(path):
         raise UsageError(f"directory {path!r} does not exist")
     if not os.path.isdir(path):
-        raise UsageError(f"{path!r} is not a directory")
+        raise UsageError(f"{flag} {path!r} is not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
         raise UsageError(f"directory {path!r} is not writable")
     return os.path.abspath(path)
 
 
-def _probe_direct(directory: str) -> dict[str, Any]:
-    """Create a scratch file in ``directory``: O_DIRECT support and DIO alignment."""
-    fd, probe = tempfile.mkstemp(prefix=".aioswap-probe-", dir=directory)
+@contextlib.contextmanager
+def _scratch(directory: str, stem: str) -> Iterator[str]:
+    """A fresh file in ``directory``: unique name, O_EXCL (never a planted file or symlink),
+    mode 0600, removed afterwards."""
+    try:
+        fd, path = tempfile.mkstemp(prefix=f".aioswap-{stem}-", suffix=".bin", dir=directory)
+    except OSError as e:
+        raise UsageError(f"cannot create a file in {directory}: "
+                         f"{os.strerror(e.errno or errno.EIO)}") from None
     os.close(fd)
     try:
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _probe_direct(directory: str) -> dict[str, Any]:
+    """O_DIRECT support and DIO alignment of ``directory``, from a scratch file."""
+    from aioswap import _aio
+    with _scratch(directory, "probe") as probe:
         try:
             dfd = _aio.open_direct(probe, write=True)
-        except DirectIOUnsupportedError as exc:
-            return {"o_direct": False, "reason": str(exc)}
+        except DirectIOUnsupportedError:
+            return {"o_direct": False,
+                    "reason": f"the {_fs_type(directory) or 'file'} file system refuses O_DIRECT"}
         try:
             mem, off = _aio.dio_alignment(dfd)
         finally:
             os.close(dfd)
         return {"o_direct": True, "dio_mem_align": mem, "dio_offset_align": off}
-    finally:
-        os.unlink(probe)
 
 
-def gather_info(directory: str) -> dict[str, Any]:
-    """What this machine supports, as a JSON-able dict."""
-    ok, reason = _aio.aio_available()
-    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    usage = shutil.disk_usage(directory)
-    info: dict[str, Any] = {
-        "aioswap": __import__("aioswap").__version__,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "aio": {"available": ok, "reason": reason or None,
-                "aio_nr": _read_int("/proc/sys/fs/aio-nr"),
-                "aio_max_nr": _read_int("/proc/sys/fs/aio-max-nr")},
-        "directory": {"path": directory, "fs_type": _fs_type(directory),
-                      "free_bytes": usage.free, "total_bytes": usage.total,
-                      **_probe_direct(directory)},
-        "memlock": {"rlimit_soft": None if soft == resource.RLIM_INFINITY else soft,
-                    "rlimit_hard": None if hard == resource.RLIM_INFINITY else hard,
-                    "unlimited": soft == resource.RLIM_INFINITY,
-                    "cap_ipc_lock": _cap_ipc_lock()},
-        "cufile": _cufile_info(),
-        "gpu": _gpu_info(),
-    }
-    return info
+def _block_device(directory: str) -> dict[str, Any]:
+    """The drive under ``directory`` as /sys describes it (model, scheduler, rotational, block
+    sizes, nr_requests, NUMA node); ``{"name": None, "reason": ...}`` when there is none."""
+    dev = os.stat(directory).st_dev
+    major, minor = os.major(dev), os.minor(dev)
+    sys_dev = f"/sys/dev/block/{major}:{minor}"
+    if not os.path.exists(sys_dev):
+        return {"name": None, "reason": f"no block device (device {major}:{minor}: a virtual, "
+                                        f"network or overlay file system)"}
+    node = os.path.realpath(sys_dev)
+    partition = None
+    if os.path.exists(os.path.join(node, "partition")):
+        partition, node = os.path.basename(node), os.path.dirname(node)
+    q = os.path.join(node, "queue")
+    sched = _read(os.path.join(q, "scheduler"))
+    if sched and "[" in sched:
+        sched = sched[sched.index("[") + 1:sched.index("]")]
+    model = _read(os.path.join(node, "device", "model"))
+    if not model:
+        vendor = _read(os.path.join(node, "device", "vendor"))
+        model = f"vendor {vendor}" if vendor else None
+    numa = None
+    for rel in ("device/numa_node", "device/device/numa_node"):
+        numa = _read_int(os.path.join(node, rel))
+        if numa is not None:
+            break
+    rot = _read_int(os.path.join(q, "rotational"))
+    return {"name": os.path.basename(node), "partition": partition, "model": model,
+            "scheduler": sched, "rotational": None if rot is None else bool(rot),
+            "logical_block_size": _read_int(os.path.join(q, "logical_block_size")),
+            "physical_block_size": _read_int(os.path.join(q, "physical_block_size")),
+            "nr_requests": _read_int(os.path.join(q, "nr_requests")),
+            "numa_node": numa}
 
 
 def _cufile_info() -> dict[str, Any]:
@@ -151,9 +217,6 @@ def _cufile_info() -> dict[str, Any]:
         if ok:
             out["library"] = _cufile.library_path()
             out["version"] = _cufile.version()
-            mode = getattr(_cufile, "mode", None)
-            if callable(mode):
-                out["mode"] = mode()
         return out
     except Exception as exc:   # info must report, not crash
         return {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
@@ -170,8 +233,43 @@ def _gpu_info() -> dict[str, Any]:
     return out
 
 
-def _print_info(info: dict[str, Any]) -> None:
-    d, m, a = info["directory"], info["memlock"], info["aio"]
+def gather_info(directory: str) -> dict[str, Any]:
+    """What this machine supports, as a JSON-able dict."""
+    from aioswap import __version__, _aio
+    ok, reason = _aio.aio_available()
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    usage = shutil.disk_usage(directory)
+    fs = _fs_type(directory)
+    return {
+        "aioswap": __version__,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "aio": {"available": ok, "reason": reason or None,
+                "aio_nr": _read_int("/proc/sys/fs/aio-nr"),
+                "aio_max_nr": _read_int("/proc/sys/fs/aio-max-nr")},
+        "directory": {"path": directory, "fs_type": fs,
+                      "free_bytes": usage.free, "total_bytes": usage.total,
+                      "warning": _ram_warning(directory, fs), **_probe_direct(directory)},
+        "device": _block_device(directory),
+        "memlock": {"rlimit_soft": None if soft == resource.RLIM_INFINITY else soft,
+                    "rlimit_hard": None if hard == resource.RLIM_INFINITY else hard,
+                    "unlimited": soft == resource.RLIM_INFINITY,
+                    "cap_ipc_lock": _cap_ipc_lock()},
+        "cufile": _cufile_info(),
+        "gpu": _gpu_info(),
+    }
+
+
+def _short_reason(reason: str | None) -> str:
+    """The first sentence of a long reason, without the 'X is unavailable:' preamble."""
+    text = (reason or "unknown").split(". ")[0].rstrip(".")
+    if ": " in text and "unavailable" in text.split(": ", 1)[0]:
+        text = text.split(": ", 1)[1]
+    return text
+
+
+def _format_info(info: dict[str, Any]) -> str:
+    d, m, a, dev = info["directory"], info["memlock"], info["aio"], info["device"]
     lines = [
         f"aioswap {info['aioswap']}  (Linux {info['kernel']}, Python {info['python']})",
         f"kernel AIO       : {'yes' if a['available'] else 'NO: ' + str(a['reason'])}"
@@ -179,6 +277,17 @@ def _print_info(info: dict[str, Any]) -> None:
         f"directory        : {d['path']} ({d['fs_type']}), "
         f"{format_size(d['free_bytes'])} free of {format_size(d['total_bytes'])}",
     ]
+    if dev.get("name"):
+        rot = {True: "rotational", False: "non-rotational", None: "rotational ?"}
+        part = f" (partition {dev['partition']})" if dev.get("partition") else ""
+        lines.append(f"device           : {dev['name']}{part}, {dev['model'] or 'model ?'}, "
+                     f"{rot[dev['rotational']]}, scheduler {dev['scheduler'] or '?'}")
+        lines.append(f"                   block size {dev['logical_block_size']} B logical / "
+                     f"{dev['physical_block_size']} B physical, nr_requests "
+                     f"{dev['nr_requests']}, NUMA node "
+                     f"{'none' if dev['numa_node'] in (None, -1) else dev['numa_node']}")
+    else:
+        lines.append(f"device           : {dev['reason']}")
     if d["o_direct"]:
         lines.append(f"O_DIRECT         : yes, memory alignment {d['dio_mem_align']} B, "
                      f"offset alignment {d['dio_offset_align']} B")
@@ -188,227 +297,417 @@ def _print_info(info: dict[str, Any]) -> None:
     lines.append(f"RLIMIT_MEMLOCK   : {lim}; CAP_IPC_LOCK: {'yes' if m['cap_ipc_lock'] else 'no'}")
     c = info["cufile"]
     lines.append("cuFile           : " + (f"yes, {c.get('library')} version {c.get('version')}"
-                                          if c["available"] else f"no ({c['reason']})"))
+                                          if c["available"] else
+                                          f"no ({_short_reason(c['reason'])}; --json for more)"))
     g = info["gpu"]
-    lines.append("GPU              : " + (", ".join(g["devices"]) if g.get("cuda")
-                                          else f"none (torch {g['torch']})"))
-    print("\n".join(lines))
-
-
-def cmd_info(args: argparse.Namespace) -> int:
-    directory = _check_dir(args.dir)
-    info = gather_info(directory)
-    if args.json:
-        print(json.dumps(info, indent=2))
+    if g.get("cuda"):
+        gpu = ", ".join(g["devices"])
+    elif g["torch"] is None:
+        gpu = "unknown (torch is not installed)"
     else:
-        _print_info(info)
+        gpu = f"none (torch {g['torch']} sees no CUDA device)"
+    lines.append("GPU              : " + gpu)
+    if d.get("warning"):
+        lines.append(f"warning          : {d['warning']}")
+    return "\n".join(lines)
+
+
+def cmd_info(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
+    directory = _check_dir(args.dir_pos or args.dir)
+    info = gather_info(directory)
+    out.write((json.dumps(info, indent=2) if args.json else _format_info(info)) + "\n")
+    out.flush()
     return 0
 
 
 # ------------------------------------------------------------------------------ bench
 
 
-@contextlib.contextmanager
-def _scratch(directory: str, stem: str) -> Iterator[str]:
-    path = os.path.join(directory, f".aioswap-{stem}-{os.getpid()}.bin")
+def _need_torch(command: str) -> Any:
     try:
-        yield path
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        import torch
+    except ImportError:
+        raise UsageError(f"{command} needs torch: {_TORCH_HINT}") from None
+    return torch
 
 
-_CACHE_NOTE = "page cache dropped with fsync + posix_fadvise(DONTNEED) before each read"
+def _check_memory(need: int, what: str) -> None:
+    from aioswap.tune.measure import memory_available
+    avail, why = memory_available()
+    if avail is not None and need > avail:
+        raise UsageError(f"{what} needs about {format_size(need)} of memory; "
+                         f"{format_size(max(avail, 0))} is available ({why}): use a smaller "
+                         f"--size")
 
 
-def drop_cache(path: str) -> None:
-    """fsync ``path`` and evict its pages, so the next read comes from the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+def _memlock_reason() -> str:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    lim = "unlimited" if soft == resource.RLIM_INFINITY else format_size(soft)
+    return (f"page-locked memory refused (RLIMIT_MEMLOCK {lim}, "
+            f"CAP_IPC_LOCK {'yes' if _cap_ipc_lock() else 'no'}; raise it with ulimit -l "
+            f"unlimited or docker --ulimit memlock=-1)")
 
 
-def _timed(fn: Any) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+class _Progress:
+    """A tqdm bar over bytes on stderr, drawn only on a terminal."""
+
+    def __init__(self, total: int, desc: str, enabled: bool, stream: IO[str]) -> None:
+        self.bar: Any = None
+        if enabled and stream.isatty():
+            from tqdm import tqdm  # type: ignore[import-untyped]
+            self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True,
+                            unit_divisor=1000, file=stream, leave=False, dynamic_ncols=True)
+
+    def step(self, nbytes: int, label: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(label, refresh=False)
+            self.bar.update(nbytes)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
-def run_bench(directory: str, size: int, *, block_size: int, queue_depth: int,
-              progress: bool) -> dict[str, Any]:
-    """Measure aioswap direct and bounce against buffered Python I/O on ``size`` bytes."""
-    import torch
-    from tqdm import tqdm  # type: ignore[import-untyped]
+@dataclass
+class _Method:
+    key: str
+    label: str
+    write: Callable[[str], None]
+    read: Callable[[str], None]
+    check: Callable[[], bool]
+    times: dict[str, list[float]] = field(default_factory=lambda: {"write": [], "read": []})
 
+
+def _summary(size: int, seconds: list[float]) -> dict[str, Any] | None:
+    if not seconds:
+        return None
+    rates = [size / s / GB for s in seconds if s > 0] or [math.inf]
+    med = statistics.median(rates)
+    return {"GBps": med, "min": min(rates), "max": max(rates),
+            "spread": (max(rates) - min(rates)) / med if med else math.nan, "all": rates}
+
+
+def run_bench(directory: str, size: int, *, config: AioConfig, repeat: int, warmup: int,
+              ops: Sequence[str], gds: bool, progress: bool,
+              err: IO[str]) -> dict[str, Any]:
+    """Measure aioswap direct / bounce (and GDS) against buffered Python I/O on ``size`` bytes.
+
+    Each round runs every method once, in an order rotated by one per round; a method writes
+    (fsync'd), drops the file from the page cache, reads, and checks the bytes. Figures are the
+    median of the rounds with their range.
+    """
+    torch = _need_torch("aioswap bench")
     from aioswap import pinned
+    from aioswap.errors import AioswapWarning, PinnedMemoryError
     from aioswap.handle import AioHandle
 
     probe = _probe_direct(directory)
     if not probe["o_direct"]:
-        raise UsageError(f"the file system of {directory!r} refuses O_DIRECT ({probe['reason']});"
-                         f" aioswap would use buffered I/O there, so there is nothing to compare")
+        raise UsageError(f"{probe['reason']} in {directory}; aioswap would use buffered I/O "
+                         f"there, so there is nothing to compare")
     usage = shutil.disk_usage(directory)
-    if usage.free < size + (64 << 20):
-        raise UsageError(f"{directory!r} has {format_size(usage.free)} free; the benchmark "
+    if usage.free < size + _SLACK:
+        raise UsageError(f"{directory} has {format_size(usage.free)} free; the benchmark "
                          f"needs {format_size(size)} plus 64 MiB")
+    # source (reference) + one unpinned read buffer + one pinned buffer (+ a GPU buffer)
+    _check_memory(3 * size + _SLACK, f"aioswap bench --size {short_size(size)}")
+    notes: list[str] = []
+    skipped: list[dict[str, str]] = []
+    ram = _ram_warning(directory, _fs_type(directory))
+    if ram:
+        notes.append(ram)
+        err.write(f"aioswap bench: warning: {ram}\n")
 
-    steps = ["fill", "direct write", "direct read", "bounce write", "bounce read",
-             "buffered write", "buffered read"]
-    bar = tqdm(total=len(steps), desc="aioswap bench", unit="step", disable=not progress,
-               file=sys.stderr)
-    results: dict[str, dict[str, float]] = {}
-
-    def step(name: str) -> None:
-        bar.set_postfix_str(name)
-
+    gen = torch.Generator().manual_seed(1234)
+    ref = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
+    plain = torch.empty_like(ref)     # unpinned: the bounce path, and buffered reads
     try:
-        step("fill")
-        src = pinned.empty(size, torch.uint8, strict=False)
-        gen = torch.Generator().manual_seed(1234)
-        src.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen))
-        plain = src.clone()                         # unpinned: the bounce path
-        bar.update()
-        with AioHandle(block_size=block_size, queue_depth=queue_depth) as h, \
-                _scratch(directory, "bench") as path:
-            for label, buf in (("direct", src), ("bounce", plain)):
-                step(f"{label} write")
-                w = _timed(lambda: h.pwrite(buf, path, fsync=True))
-                bar.update()
-                step(f"{label} read")
-                drop_cache(path)
-                dst = torch.empty_like(buf) if label == "bounce" else pinned.empty(
-                    size, torch.uint8, strict=False)
-                r = _timed(lambda: h.pread(dst, path))
-                if not torch.equal(dst, src):
-                    raise RuntimeError(f"{label} read returned different bytes")
-                del dst
-                bar.update()
-                os.unlink(path)
-                results[label] = {"write_s": w, "read_s": r}
-            stats = h.stats
-            aligned = size - size % probe["dio_offset_align"]   # the rest is head/tail
-            if stats.direct_bytes < 2 * aligned or stats.bounce_bytes < 2 * aligned:
-                raise RuntimeError(f"paths not taken as planned: {stats}")
-            step("buffered write")
-            mv = memoryview(plain.numpy())  # type: ignore[arg-type]
+        locked = pinned.empty(size, torch.uint8, strict=True)
+    except (PinnedMemoryError, OSError, MemoryError):
+        locked = None
+        skipped.append({"method": "aioswap direct (pinned)", "reason": _memlock_reason()})
+    gpu = None
+    if gds:
+        if not torch.cuda.is_available():
+            raise UsageError(f"--gds needs a CUDA device; torch {torch.__version__} sees none")
+        gpu = ref.to("cuda")
 
-            def buffered_write() -> None:
-                with open(path, "wb") as f:
-                    f.write(mv)
-                    f.flush()
-                    os.fsync(f.fileno())
-            w = _timed(buffered_write)
-            bar.update()
-            step("buffered read")
-            drop_cache(path)
-            out = bytearray(size)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AioswapWarning)
+        handle = AioHandle.from_config(config)
+        gds_handle: Any = None
+        if gds:
+            from aioswap.gds import GdsHandle
+            try:
+                gds_handle = GdsHandle.from_config(config)
+            except Exception as exc:
+                handle.close()
+                raise UsageError(f"--gds needs cuFile: {_short_reason(str(exc))}") from None
+        try:
+            with _scratch(directory, "bench") as path:
+                methods = _bench_methods(torch, handle, gds_handle, ref, plain, locked, gpu,
+                                         size)
+                result = _bench_rounds(methods, path, size, repeat, warmup, ops, progress, err)
+                stats = handle.stats
+        finally:
+            handle.close()
+            if gds_handle is not None:
+                gds_handle.close()
+    for w in caught:
+        if issubclass(w.category, AioswapWarning):
+            first = str(w.message).split(". ")[0].rstrip(".")
+            if first not in notes:
+                notes.append(first)
+    aligned = size - size % probe["dio_offset_align"]
+    direct = getattr(stats, "direct_bytes", None)
+    if locked is not None and direct is not None:
+        n_ops = len(ops) * (repeat + warmup) + (1 if ops == ["read"] else 0)
+        if direct < n_ops * aligned:
+            notes.append(f"aioswap direct moved {direct} of {n_ops * aligned} aligned bytes on "
+                         f"the direct path ({stats})")
+    base = {op: _summary(size, result["buffered"]["times"][op]) for op in ("write", "read")}
+    rows = []
+    for m in methods:
+        row: dict[str, Any] = {"method": m.label}
+        for op in ("write", "read"):
+            s, b = _summary(size, m.times[op]), base[op]
+            row[op] = s
+            row[f"{op}_ratio"] = (None if m.key == "buffered" or s is None or b is None
+                                  else s["GBps"] / b["GBps"])
+        rows.append(row)
+    return {"directory": directory, "fs_type": _fs_type(directory), "size_bytes": size,
+            "size": format_size(size), "config": config.to_dict(), "repeat": repeat,
+            "warmup": warmup, "ops": list(ops),
+            "units": "GB/s = 10^9 bytes/s, median of the rounds (min-max); "
+                     "ratio = aioswap / python buffered (bigger is better)",
+            "writes": "each write ends with fsync",
+            "cache": "page cache dropped (fsync + posix_fadvise DONTNEED) before each read",
+            "rows": rows, "skipped": skipped, "notes": notes}
 
-            def buffered_read() -> None:
-                with open(path, "rb", buffering=0) as f:
-                    f.readinto(out)
-            r = _timed(buffered_read)
-            if bytes(out[:4096]) != bytes(mv[:4096]) or out != mv:
-                raise RuntimeError("buffered read returned different bytes")
-            results["buffered"] = {"write_s": w, "read_s": r}
-            bar.update()
+
+def _bench_methods(torch: Any, handle: Any, gds_handle: Any, ref: Any, plain: Any,
+                   locked: Any, gpu: Any, size: int) -> list[_Method]:
+    methods: list[_Method] = []
+    if locked is not None:
+        def d_write(path: str) -> None:
+            locked.copy_(ref)
+            handle.pwrite(locked, path, fsync=True)
+
+        def d_read(path: str) -> None:
+            locked.zero_()
+            handle.pread(locked, path)
+        methods.append(_Method("direct", "aioswap direct (pinned)", d_write, d_read,
+                               lambda: bool(torch.equal(locked, ref))))
+    methods.append(_Method("bounce", "aioswap bounce (unpinned)",
+                           lambda p: handle.pwrite(ref, p, fsync=True),
+                           lambda p: handle.pread(plain, p),
+                           lambda: bool(torch.equal(plain, ref))))
+    if gds_handle is not None:
+        methods.append(_Method("gds", "aioswap gds (cuFile)",
+                               lambda p: gds_handle.pwrite(gpu, p, fsync=True),
+                               lambda p: gds_handle.pread(gpu, p),
+                               lambda: bool(torch.equal(gpu.cpu(), ref))))
+    src = memoryview(ref.numpy()).cast("B")
+    dst = memoryview(plain.numpy()).cast("B")
+
+    def b_write(path: str) -> None:
+        with open(path, "wb") as f:
+            f.write(src)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def b_read(path: str) -> None:
+        with open(path, "rb", buffering=0) as f:
+            done = 0
+            while done < size:   # read(2) may return less than asked
+                n = f.readinto(dst[done:])
+                if not n:
+                    raise OSError(errno.EIO, f"{path}: unexpected end of file")
+                done += n
+    methods.append(_Method("buffered", "python buffered", b_write, b_read,
+                           lambda: bool(torch.equal(plain, ref))))
+    return methods
+
+
+def _bench_rounds(methods: list[_Method], path: str, size: int, repeat: int, warmup: int,
+                  ops: Sequence[str], progress: bool, err: IO[str]) -> dict[str, Any]:
+    from aioswap.tune.measure import drop_cache
+    per_round = len(methods) * len(ops) * size
+    bar = _Progress(per_round * (repeat + warmup), "aioswap bench", progress, err)
+    try:
+        if ops == ["read"]:
+            methods[0].write(path)      # read-only: the file is written once, untimed
+        for rnd in range(warmup + repeat):
+            k = rnd % len(methods)
+            for m in methods[k:] + methods[:k]:
+                for op in ops:
+                    if op == "read":
+                        drop_cache(path)
+                    t0 = time.perf_counter()
+                    (m.write if op == "write" else m.read)(path)
+                    dt = time.perf_counter() - t0
+                    if rnd >= warmup:
+                        m.times[op].append(dt)
+                    bar.step(size, f"{m.key} {op}")
+                if "read" in ops and not m.check():
+                    raise RuntimeError(f"{m.label} read back different bytes")
     finally:
         bar.close()
-
-    gib = size / (1 << 30)
-    rows = []
-    base = results["buffered"]
-    for label in ("direct", "bounce", "buffered"):
-        res = results[label]
-        rows.append({
-            "method": {"direct": "aioswap direct (pinned)", "bounce": "aioswap bounce (unpinned)",
-                       "buffered": "python buffered"}[label],
-            "write_GiBps": gib / res["write_s"], "read_GiBps": gib / res["read_s"],
-            "write_vs_buffered": base["write_s"] / res["write_s"],
-            "read_vs_buffered": base["read_s"] / res["read_s"],
-        })
-    return {"directory": directory, "size_bytes": size, "size": format_size(size),
-            "block_size": block_size, "queue_depth": queue_depth, "cache": _CACHE_NOTE,
-            "writes": "each write ends with fsync", "rows": rows}
+    return {m.key: {"times": m.times} for m in methods}
 
 
-def _print_bench(res: dict[str, Any]) -> None:
-    print(f"aioswap bench: {res['size']} in {res['directory']}, block size "
-          f"{format_size(res['block_size'])}, queue depth {res['queue_depth']}")
-    print(f"({res['writes']}; {res['cache']}; GiB/s = 2^30 bytes per second)\n")
-    print(f"{'method':<28}{'write GiB/s':>12}{'read GiB/s':>12}{'write ×':>10}{'read ×':>10}")
+def _format_bench(res: dict[str, Any]) -> str:
+    c = res["config"]
+    lines = [
+        f"aioswap bench: {res['size']} in {res['directory']} ({res['fs_type']}), "
+        f"block size {format_size(c['block_size'])}, queue depth {c['queue_depth']}, "
+        f"parallelism {c['intra_op_parallelism']}"
+        + (", single submit" if c["single_submit"] else "")
+        + ("" if c["overlap_events"] else ", no overlap"),
+        f"{res['repeat']} round(s) after {res['warmup']} warm-up, methods alternating; "
+        f"{res['writes']}; {res['cache']}",
+        f"GB/s = 10^9 bytes/s, median of the rounds (min-max in brackets); "
+        f"ratio = aioswap / python buffered (bigger is better)",
+        "",
+    ]
+    ops = res["ops"]
+    head = f"{'method':<28}"
+    for op in ops:
+        head += f"{op + ' GB/s':>12}{'(min-max)':>15}"
+    for op in ops:
+        head += f"{op + ' ratio':>12}"
+    lines.append(head)
     for row in res["rows"]:
-        print(f"{row['method']:<28}{row['write_GiBps']:>12.2f}{row['read_GiBps']:>12.2f}"
-              f"{row['write_vs_buffered']:>10.2f}{row['read_vs_buffered']:>10.2f}")
-    print("\n× = speed relative to python buffered I/O in this run")
+        line = f"{row['method']:<28}"
+        for op in ops:
+            s = row[op]
+            line += f"{s['GBps']:>12.2f}{'(%.2f-%.2f)' % (s['min'], s['max']):>15}"
+        for op in ops:
+            r = row[f"{op}_ratio"]
+            line += f"{'-' if r is None else f'{r:.2f}':>12}"
+        lines.append(line)
+    for s in res["skipped"]:
+        lines.append(f"skipped {s['method']}: {s['reason']}")
+    for n in res["notes"]:
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def cmd_bench(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
     directory = _check_dir(args.dir)
-    res = run_bench(directory, args.size, block_size=args.block_size,
-                    queue_depth=args.queue_depth, progress=not args.no_progress)
-    if args.json:
-        print(json.dumps(res, indent=2))
-    else:
-        _print_bench(res)
+    config = _config_from_args(args)
+    ops = ["write", "read"]
+    if args.read_only:
+        ops = ["read"]
+    elif args.write_only:
+        ops = ["write"]
+    res = run_bench(directory, args.size, config=config, repeat=args.repeat, warmup=args.warmup,
+                    ops=ops, gds=args.gds, progress=not args.no_progress, err=err)
+    out.write((json.dumps(res, indent=2) if args.json else _format_bench(res)) + "\n")
+    out.flush()
     return 0
 
 
-# ------------------------------------------------------------------------------- main
+def _config_from_args(args: argparse.Namespace) -> AioConfig:
+    try:
+        return AioConfig(block_size=args.block_size, queue_depth=args.queue_depth,
+                         intra_op_parallelism=args.parallelism,
+                         single_submit=args.single_submit, overlap_events=not args.no_overlap,
+                         use_gds=getattr(args, "gds", False))
+    except ConfigError as e:
+        msg = str(e).replace("invalid aio config: ", "")
+        for key, flag in (("block_size", "--block-size"), ("queue_depth", "--queue-depth"),
+                          ("intra_op_parallelism", "--parallelism")):
+            msg = msg.replace(key, flag)
+        raise UsageError(msg) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="aioswap", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-
-    pi = sub.add_parser("info", help="what this machine supports")
-    pi.add_argument("dir", nargs="?", default=".", help="directory to probe (default .)")
-    pi.add_argument("--json", action="store_true", help="print JSON")
-    pi.set_defaults(func=cmd_info)
-
-    pb = sub.add_parser("bench", help="aioswap direct/bounce against buffered I/O")
-    pb.add_argument("--dir", default=".", help="directory for the scratch file (default .)")
-    pb.add_argument("--size", type=parse_size, default=1 << 30,
-                    help="bytes to move, K/M/G suffixes are powers of 1024 (default 1G)")
-    pb.add_argument("--block-size", type=parse_size, default=1 << 20)
-    pb.add_argument("--queue-depth", type=int, default=32)
-    pb.add_argument("--json", action="store_true", help="print JSON")
-    pb.add_argument("--no-progress", action="store_true", help="no progress bar")
-    pb.set_defaults(func=cmd_bench)
-
-    _add_tune(sub)
-    return p
+# ------------------------------------------------------------------------------- tune
 
 
-def _add_tune(sub: Any) -> None:
-    pt = sub.add_parser("tune", help="sweep the knobs and print the best 'aio' section")
-    pt.add_argument("--dir", action="append", required=True,
-                    help="directory to measure in (repeat for several drives)")
-    pt.add_argument("--io-size", type=parse_size, default=400 << 20,
-                    help="bytes per measurement (default 400M)")
-    direction = pt.add_mutually_exclusive_group()
-    direction.add_argument("--no-read", action="store_true", help="measure writes only")
-    direction.add_argument("--no-write", action="store_true", help="measure reads only")
-    pt.add_argument("--gds", action="store_true", help="tune the cuFile (GDS) path")
-    pt.add_argument("--search", choices=("fast", "grid"), default="fast",
-                    help="fast: coordinate search from the defaults; grid: every point")
-    pt.add_argument("--log-dir", default=None, help="keep one log per sweep point here")
-    pt.add_argument("--output", default=None, help="write the best 'aio' section (JSON) here")
-    pt.add_argument("--plot", default=None, help="draw throughput over the sweep (PNG)")
-    pt.add_argument("--json", action="store_true", help="print results as JSON")
-    pt.add_argument("--no-progress", action="store_true", help="no progress bar")
-    pt.set_defaults(func=cmd_tune)
+def run_tune(*, dirs: Sequence[str], io_size: int, direction: tune_mod.Direction,
+             use_gds: bool = False, search: tune_mod.SearchKind = "fast", repeat: int = 3,
+             quick: bool = False, log_dir: str | os.PathLike[str] | None = None,
+             output: str | os.PathLike[str] | None = None,
+             plot: str | os.PathLike[str] | None = None, as_json: bool = False,
+             progress: bool = True, grid: tune_mod.Grid | None = None,
+             measure: tune_mod.Measure | None = None, stdout: IO[str] | None = None,
+             stderr: IO[str] | None = None) -> int:
+    """Run ``aioswap tune`` and write what the command shows; return its exit status.
+
+    The results table then the best ``{"aio": {...}}`` section on ``stdout`` (or one JSON
+    document with ``as_json``), notes on ``stderr``. Without ``log_dir`` the logs go to a
+    fresh temporary directory, whose path is shown. Returns 0, or 1 when no point succeeded.
+
+    Raises
+    ------
+    UsageError
+        Bad arguments, or measuring cannot work here (the reason, in one line).
+    """
+    from aioswap import tune as t
+    out = sys.stdout if stdout is None else stdout
+    err = sys.stderr if stderr is None else stderr
+    grid = grid or t.default_grid(quick=quick)
+    if log_dir is None:
+        log_dir = tempfile.mkdtemp(prefix="aioswap-tune-")
+    bar: Any = None
+    if progress and err.isatty():
+        from tqdm import tqdm
+        bar = tqdm(total=len(grid) if search == "grid" else None, desc=f"aioswap tune ({search})",
+                   unit="pt", file=err, leave=False, dynamic_ncols=True)
+
+    def on_point(point: t.SweepPoint, results: Sequence[t.Result], best: float | None) -> None:
+        if bar is not None:
+            bar.update(1)
+            if best is not None:
+                bar.set_postfix_str(f"best {best:.2f} GB/s", refresh=False)
+
+    try:
+        report = t.tune(dirs, io_size, direction=direction, use_gds=use_gds, search=search,
+                        grid=grid, log_dir=log_dir, repeat=repeat, on_point=on_point,
+                        measure=measure)
+    except (ValueError, TuneError) as e:
+        raise UsageError(str(e)) from None
+    finally:
+        if bar is not None:
+            bar.close()
+    best_json = None if report.best is None else report.best.to_json(wrap=True)
+    if as_json:
+        out.write(json.dumps(report.to_json_dict(), indent=2) + "\n")
+    else:
+        where = ", ".join(str(d) for d in dirs)
+        out.write(f"aioswap tune: {format_size(io_size)} per point and direction in {where}, "
+                  f"{repeat} round(s) per point (fsync'd writes, page cache dropped before "
+                  f"reads)\n")
+        out.write(t.format_table(report.results, direction=direction) + "\n")
+        if best_json is not None:
+            out.write(f"\nbest \"aio\" section ({report.evaluations} of {report.grid_size} "
+                      f"grid points measured, picked by {t.report.picked_by(direction)}):\n")
+            out.write(best_json + "\n")
+    out.flush()
+    err.write(f"aioswap tune: logs in {report.log_dir}\n")
+    if report.best is None:
+        err.write(f"aioswap tune: error: {report.error}\n")
+        return 1
+    if output is not None:
+        Path(output).write_text(best_json + "\n", encoding="utf-8")  # type: ignore[operator]
+    if plot is not None:
+        title = (f"aioswap tune: {format_size(io_size)} per point, {repeat} round(s), "
+                 f"{', '.join(str(d) for d in dirs)}")
+        t.plot(report.results, plot, title=title, direction=direction)
+        err.write(f"aioswap tune: heat map in {plot}\n")
+    return 0
 
 
-def cmd_tune(args: argparse.Namespace) -> int:
-    from aioswap import tune
+def cmd_tune(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
     dirs = [_check_dir(d) for d in args.dir]
     for d in dirs:
         probe = _probe_direct(d)
         if not probe["o_direct"]:
-            raise UsageError(f"the file system of {d!r} refuses O_DIRECT ({probe['reason']})")
+            raise UsageError(f"{probe['reason']} in {d}")
+        ram = _ram_warning(d, _fs_type(d))
+        if ram:
+            err.write(f"aioswap tune: warning: {ram}\n")
     for what, target in (("--output", args.output), ("--plot", args.plot)):
         if target is not None and not os.path.isdir(os.path.dirname(os.path.abspath(target))):
             raise UsageError(f"{what} {target!r}: its directory does not exist")
@@ -420,25 +719,162 @@ def cmd_tune(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError("--plot needs matplotlib: pip install 'aioswap[plot]'") from None
-    direction: tune.Direction = ("write" if args.no_read else
-                                 "read" if args.no_write else "both")
-    return tune.main_from_cli(dirs=dirs, io_size=args.io_size, direction=direction,
-                              use_gds=args.gds, search=args.search, log_dir=args.log_dir,
-                              output=args.output, plot=args.plot, as_json=args.json,
-                              progress=not args.no_progress)
+    direction: tune_mod.Direction = ("write" if args.no_read else
+                                     "read" if args.no_write else "both")
+    return run_tune(dirs=dirs, io_size=args.io_size, direction=direction, use_gds=args.gds,
+                    search=args.search, repeat=args.repeat, quick=args.quick,
+                    log_dir=args.log_dir, output=args.output, plot=args.plot,
+                    as_json=args.json, progress=not args.no_progress, stdout=out, stderr=err)
+
+
+# ------------------------------------------------------------------------------- main
+
+
+def _add_knobs(p: argparse.ArgumentParser) -> None:
+    d = DEFAULT_CONFIG
+    p.add_argument("--block-size", type=_size_type(), default=d.block_size, metavar="SIZE",
+                   help=f"bytes per kernel request, any positive size (default "
+                        f"{short_size(d.block_size)})")
+    p.add_argument("--queue-depth", type=_int_type(1), default=d.queue_depth, metavar="N",
+                   help=f"requests in flight per AIO context (default {d.queue_depth})")
+    p.add_argument("--parallelism", type=_int_type(1), default=d.intra_op_parallelism,
+                   metavar="N", help="intra_op_parallelism: slices of one request moved "
+                                     "concurrently, each on its own context (default 1)")
+    p.add_argument("--single-submit", action="store_true",
+                   help="one request per io_submit call (single_submit=true)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="submit a batch and reap it whole (overlap_events=false)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from aioswap import __version__
+    doc = __doc__ or ""
+    p = _Parser(prog="aioswap", description=doc.split("\n\n")[0] + ".",
+                epilog="\n\n".join(doc.split("\n\n")[1:]),
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"aioswap {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{info,bench,tune}",
+                           parser_class=_Parser)
+
+    pi = sub.add_parser("info", help="what this machine and a directory's drive support",
+                        description="What this machine supports: kernel AIO, O_DIRECT and its "
+                                    "alignment in DIR, the drive under DIR (/sys), memlock, "
+                                    "cuFile and GPUs.")
+    pi.add_argument("--dir", default=".", help="directory to probe (default: .)")
+    pi.add_argument("dir_pos", nargs="?", default=None, metavar="DIR",
+                    help="same as --dir (kept for older scripts)")
+    pi.add_argument("--json", action="store_true", help="print JSON")
+    pi.set_defaults(func=cmd_info)
+
+    pb = sub.add_parser("bench", help="aioswap direct/bounce against buffered I/O",
+                        description="Write and read one file with aioswap (direct from pinned "
+                                    "memory, bounced from ordinary memory, cuFile with --gds) "
+                                    "and with buffered Python I/O; median of --repeat rounds, "
+                                    "methods alternating. " + UNITS_NOTE + ".")
+    pb.add_argument("--dir", default=".", help="directory for the scratch file (default: .)")
+    pb.add_argument("--size", type=_size_type(MIN_BENCH_SIZE), default=1 << 30,
+                    help="bytes per transfer, K/M/G are powers of 1024, at least 1M "
+                         "(default: 1G)")
+    _add_knobs(pb)
+    pb.add_argument("--repeat", type=_int_type(1), default=3, metavar="N",
+                    help="timed rounds; figures are their median (default: 3)")
+    pb.add_argument("--warmup", type=_int_type(0), default=0, metavar="N",
+                    help="untimed rounds before the timed ones (default: 0)")
+    only = pb.add_mutually_exclusive_group()
+    only.add_argument("--read-only", action="store_true",
+                      help="time reads only (the file is written once, untimed)")
+    only.add_argument("--write-only", action="store_true", help="time writes only")
+    pb.add_argument("--gds", action="store_true",
+                    help="also time GdsHandle (cuFile) on a CUDA tensor")
+    pb.add_argument("--json", action="store_true", help="print JSON")
+    pb.add_argument("--no-progress", action="store_true",
+                    help="no progress bar (it is drawn only when stderr is a terminal)")
+    pb.set_defaults(func=cmd_bench)
+
+    pt = sub.add_parser("tune", help="sweep the knobs and print the best 'aio' section",
+                        description="Sweep block size x queue depth x parallelism x submit/"
+                                    "overlap on real files (fsync'd writes, page cache dropped, "
+                                    "--repeat rounds per point) and print the best \"aio\" "
+                                    "section, which AioConfig and DeepSpeed read unchanged. "
+                                    "GB/s = 10^9 bytes/s.")
+    pt.add_argument("--dir", action="append", required=True,
+                    help="directory to measure in (repeat for several drives)")
+    pt.add_argument("--io-size", type=_size_type(), default=400 << 20, metavar="SIZE",
+                    help="bytes per point and direction, at least the largest block size "
+                         "swept (default: 400M)")
+    pt.add_argument("--repeat", type=_int_type(1), default=3, metavar="N",
+                    help="rounds per point; the median counts, the spread is shown "
+                         "(default: 3)")
+    direction = pt.add_mutually_exclusive_group()
+    direction.add_argument("--no-read", action="store_true", help="measure writes only")
+    direction.add_argument("--no-write", action="store_true", help="measure reads only")
+    pt.add_argument("--gds", action="store_true", help="tune the cuFile (GDS) path")
+    pt.add_argument("--search", choices=("fast", "grid"), default="fast",
+                    help="fast: coordinate search from the defaults (default); grid: every "
+                         "point")
+    pt.add_argument("--quick", action="store_true",
+                    help="the 72-point grid (256K/1M/4M x 8/32/128 x 1/2) instead of 672")
+    pt.add_argument("--log-dir", default=None,
+                    help="keep one JSON log per point here (default: a new temporary "
+                         "directory)")
+    pt.add_argument("--output", default=None, help="also write the best 'aio' section here")
+    pt.add_argument("--plot", default=None, metavar="PNG",
+                    help="draw a heat map (block size x queue depth per parallelism) here; "
+                         "needs matplotlib")
+    pt.add_argument("--json", action="store_true", help="print results as JSON")
+    pt.add_argument("--no-progress", action="store_true",
+                    help="no progress bar (it is drawn only when stderr is a terminal)")
+    pt.set_defaults(func=cmd_tune)
+    return p
+
+
+def _os_error_line(exc: OSError) -> str:
+    what = os.strerror(exc.errno) if exc.errno else str(exc)
+    where = f"{exc.filename}: " if exc.filename else ""
+    hint = ""
+    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        hint = " (the disk, a quota or ulimit -f ran out: free space or use a smaller --size)"
+    elif exc.errno == errno.EIO:
+        hint = " (the drive reported an I/O error)"
+    return f"{where}{what}{hint}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; return its exit status (see the module docstring)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    out, err = sys.stdout, sys.stderr
+    name = f"aioswap {args.command}"
     try:
-        return int(args.func(args))
-    except UsageError as exc:
-        print(f"aioswap {args.command}: error: {exc}", file=sys.stderr)
+        try:
+            return int(args.func(args, out, err))
+        except UsageError as exc:
+            err.write(f"{name}: error: {exc}\n")
+            return 2
+        except ConfigError as exc:
+            err.write(f"{name}: error: {exc}\n")
+            return 2
+        except MemoryError as exc:
+            err.write(f"{name}: error: out of memory ({exc or 'allocation refused'}): use a "
+                      f"smaller --size\n")
+            return 2
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            err.write(f"{name}: error: {_os_error_line(exc)}\n")
+            return 2
+        except KeyboardInterrupt:
+            err.write(f"{name}: interrupted\n")
+            return 130
+    except BrokenPipeError:
+        # The reader went away (aioswap info | head -c1): say so once, exit without a traceback
+        # (and keep the interpreter from failing again while flushing stdout at exit).
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        with contextlib.suppress(OSError):
+            err.write(f"{name}: error: output closed before it was all written (broken pipe)\n")
         return 2
-    except KeyboardInterrupt:
-        print(f"aioswap {args.command}: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from aioswap._units import GB, UNITS_NOTE, format_size, parse_size, short_size
+from aioswap.tune import drop_cache as _drop_cache
 
 __all__ = [
     "CACHE_NOTE", "GB", "UNITS_NOTE", "Summary", "add_common_args", "check_common_args",
@@ -123,12 +124,7 @@ CACHE_NOTE = ("before every read the file is fsynced and dropped from the page c
 
 def drop_cache(path: str) -> float:
     """fsync ``path``, evict its pages; return the fraction still resident (NaN: unknown)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    _drop_cache(path)
     return resident_fraction(path)
 
 
