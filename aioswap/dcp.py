@@ -60,6 +60,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from aioswap import pinned
+from aioswap.errors import ShortReadError
 from aioswap.handle import AioHandle
 
 __all__ = ["AioReader", "AioWriter", "LAYOUT_ATTRIBUTE"]
@@ -617,27 +618,36 @@ class AioReader(FileSystemReader):
                 direct.append(req)
         if stock:
             super().read_data(dataclasses.replace(plan, items=stock), planner).wait()
-        fds: dict[str, int] = {}
+        fds: dict[str, tuple[int, int]] = {}
         try:
             with _use_handle(self._handle) as h:
                 self._read_tensors(h, direct, planner, fds)
                 self._read_blobs(h, blobs, planner, fds)
         finally:
-            for fd in fds.values():
+            for fd, _ in fds.values():
                 os.close(fd)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _fd(self, fds: dict[str, int], relative_path: str) -> int:
-        fd = fds.get(relative_path)
-        if fd is None:
+    def _fd(self, fds: dict[str, tuple[int, int]], relative_path: str, offset: int,
+            nbytes: int, what: str) -> int:
+        """The fd of a data file, opened once; refuses a request past its end."""
+        entry = fds.get(relative_path)
+        if entry is None:
             fd = os.open(Path(self.path) / relative_path, os.O_RDONLY | os.O_CLOEXEC)
-            fds[relative_path] = fd
+            entry = fds[relative_path] = (fd, os.fstat(fd).st_size)
+        fd, size = entry
+        if offset + nbytes > size:
+            path = str(Path(self.path) / relative_path)
+            raise ShortReadError(f"{what}: checkpoint file {path} is {size} bytes, but "
+                                 f"{nbytes} bytes at offset {offset} are needed (truncated "
+                                 f"file?)", path=path, offset=offset, nbytes=nbytes,
+                                 file_size=size)
         return fd
 
     def _read_tensors(self, h: AioHandle, reqs: list[ReadItem], planner: LoadPlanner,
-                      fds: dict[str, int]) -> None:
+                      fds: dict[str, tuple[int, int]]) -> None:
         batch: list[_Pending] = []
         held = 0
         for req in reqs:
@@ -668,7 +678,7 @@ class AioReader(FileSystemReader):
             if nbytes == 0:
                 batch.append(_Pending(req, target, None, []))
                 continue
-            fd = self._fd(fds, info.relative_path)
+            fd = self._fd(fds, info.relative_path, start, nbytes, req.storage_index.fqn)
             if (rest_full and target.dtype == dtype and target.device.type == "cpu"
                     and target.is_contiguous()):
                 h.pread(target, fd, start, nbytes=nbytes, async_op=True)
@@ -701,7 +711,7 @@ class AioReader(FileSystemReader):
             planner.commit_tensor(p.req, p.target)
 
     def _read_blobs(self, h: AioHandle, reqs: list[ReadItem], planner: LoadPlanner,
-                    fds: dict[str, int]) -> None:
+                    fds: dict[str, tuple[int, int]]) -> None:
         """Bytes items and tensors of stock checkpoints: read each blob whole, then decode."""
         i = 0
         while i < len(reqs):
@@ -715,8 +725,9 @@ class AioReader(FileSystemReader):
                 if key not in blobs:
                     buf = bytearray(info.length)
                     if info.length:
-                        h.pread(buf, self._fd(fds, info.relative_path), info.offset,
-                                async_op=True)
+                        fd = self._fd(fds, info.relative_path, info.offset, info.length,
+                                      req.storage_index.fqn)
+                        h.pread(buf, fd, info.offset, async_op=True)
                     blobs[key] = buf
                     held += info.length
                 group.append(req)
