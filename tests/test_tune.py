@@ -22,12 +22,24 @@ from hypothesis import strategies as st
 import aioswap
 from aioswap.config import DEFAULT_CONFIG, AioConfig
 from aioswap.errors import ConfigError
+from aioswap.cli import UsageError, run_tune
 from aioswap.tune import (Direction, Grid, Result, SweepPoint, TuneError, default_grid, fast_search,
-                          format_size, format_table, grid_search, main_from_cli, parse_logs,
-                          parse_size, plot, recommend, recommendation_json, score_of, sweep,
+                          format_table, grid_search, parse_logs, plot, recommend, score_of, sweep,
                           tune, write_log)
+from aioswap.tune.measure import check_environment, run_point
 
 MiB = 1 << 20
+
+
+def from_throughput(point: SweepPoint, direction: Literal["read", "write"], gbps: float, *,
+                    io_size: int = 1 << 30, use_gds: bool = False) -> Result:
+    """A successful result moving ``io_size`` bytes at ``gbps`` GB/s (synthetic runs)."""
+    return Result(point, direction, io_size, nbytes=io_size, seconds=io_size / (gbps * 1e9),
+                  use_gds=use_gds)
+
+
+def recommendation_json(config: AioConfig) -> str:
+    return config.to_json(wrap=True)
 
 # -- sweep point names -------------------------------------------------------------------------
 
@@ -77,16 +89,6 @@ def test_point_bad_values_use_config_rules() -> None:
         SweepPoint.parse("block_overlap_bs1M_qd0_p1")
     with pytest.raises(ConfigError, match="intra_op_parallelism must be between 1 and 256"):
         SweepPoint.parse("block_overlap_bs1M_qd4_p0")
-
-
-def test_sizes() -> None:
-    assert [format_size(n) for n in (4096, 128 << 10, MiB, 3 * MiB, 1 << 30, 5000)] == \
-        ["4K", "128K", "1M", "3M", "1G", "5000"]
-    assert parse_size("400M") == 400 * MiB
-    assert parse_size("64MiB") == parse_size("64m") == 64 * MiB
-    assert parse_size("4096") == 4096
-    with pytest.raises(ValueError, match="not a size"):
-        parse_size("1.5G")
 
 
 def test_grids() -> None:
@@ -248,7 +250,7 @@ def test_missing_log_dir(tmp_path: Path) -> None:
 
 def test_write_log_round_trip(tmp_path: Path) -> None:
     p = SweepPoint.parse("single_overlap_bs1M_qd32_p8")
-    results = [Result.from_throughput(p, "write", 2.5, use_gds=True),
+    results = [from_throughput(p, "write", 2.5, use_gds=True),
                Result(p, "read", 4 * MiB, nbytes=4 * MiB, seconds=0.0123, dirs=("/a", "/b")),
                Result.failed(SweepPoint.parse("block_overlap_bs1M_qd4_p1"), "read", MiB,
                              "OSError: boom")]
@@ -347,17 +349,17 @@ def fake_measure(drive: Callable[[SweepPoint], float], direction: str = "both", 
     def measure(p: SweepPoint) -> list[Result]:
         out = []
         if direction in ("write", "both"):
-            out.append(Result.from_throughput(p, "write", drive(p) * write_factor,
+            out.append(from_throughput(p, "write", drive(p) * write_factor,
                                               use_gds=use_gds))
         if direction in ("read", "both"):
-            out.append(Result.from_throughput(p, "read", drive(p), use_gds=use_gds))
+            out.append(from_throughput(p, "read", drive(p), use_gds=use_gds))
         return out
     return measure
 
 
 def test_sweep_logs_every_point(tmp_path: Path) -> None:
     grid = default_grid(quick=True)
-    results = sweep(grid, fake_measure(synthetic_drive()), log_dir=tmp_path, progress=False)
+    results = sweep(grid, fake_measure(synthetic_drive()), log_dir=tmp_path)
     assert len(results) == 2 * len(grid)
     assert len(list((tmp_path / "read").glob("*.json"))) == len(grid)
     assert len(list((tmp_path / "write").glob("*.json"))) == len(grid)
@@ -374,7 +376,7 @@ def test_sweep_tolerates_a_raising_measure(tmp_path: Path) -> None:
         return f(p)  # type: ignore[no-any-return]
 
     grid = default_grid(quick=True)
-    results = sweep(grid, measure, log_dir=tmp_path, progress=False)
+    results = sweep(grid, measure, log_dir=tmp_path)
     failed = [r for r in results if not r.ok]
     assert len(failed) == 2 * len(grid) // 3
     assert all("OSError: [Errno 28] No space left on device" == r.error for r in failed)
@@ -388,7 +390,7 @@ def test_tune_end_to_end(tmp_path: Path, search: Literal['grid', 'fast'],
     drive = synthetic_drive(best_p=2, salt=7)
     grid = default_grid(quick=True)
     report = tune([], 64 * MiB, direction=direction, search=search,
-                  grid=grid, log_dir=tmp_path, progress=False,
+                  grid=grid, log_dir=tmp_path,
                   measure=fake_measure(drive, direction))
     assert report.best is not None and report.error is None
     assert report.grid_size == 72
@@ -404,9 +406,8 @@ def test_tune_end_to_end(tmp_path: Path, search: Literal['grid', 'fast'],
 @pytest.mark.parametrize("direction", ["both", "read", "write"])
 @pytest.mark.parametrize("use_gds", [False, True])
 @pytest.mark.parametrize("as_json", [False, True])
-def test_main_from_cli_prints_a_loadable_section(tmp_path: Path, direction: Direction,
-                                                 use_gds: bool,
-                                                 as_json: bool) -> None:
+def test_run_tune_prints_a_loadable_section(tmp_path: Path, direction: Direction,
+                                            use_gds: bool, as_json: bool) -> None:
     # The winner: single submit + overlap at 1M/qd32/p8, as in the issue.
     winner = SweepPoint.parse("single_overlap_bs1M_qd32_p8")
     loser = SweepPoint.parse("block_sequential_bs8M_qd128_p2")
@@ -418,20 +419,21 @@ def test_main_from_cli_prints_a_loadable_section(tmp_path: Path, direction: Dire
 
     out, err = io.StringIO(), io.StringIO()
     plot_path = tmp_path / "sweep.png" if "matplotlib" in sys.modules else None
-    rc = main_from_cli(dirs=[str(tmp_path)], io_size=64 * MiB, direction=direction,
-                       use_gds=use_gds, search="grid", log_dir=tmp_path / "logs",
-                       output=tmp_path / "best.json", plot=plot_path, as_json=as_json,
-                       progress=False, grid=grid,
-                       measure=fake_measure(drive, direction, use_gds=use_gds),
-                       stdout=out, stderr=err)
+    rc = run_tune(dirs=[str(tmp_path)], io_size=64 * MiB, direction=direction,
+                  use_gds=use_gds, search="grid", log_dir=tmp_path / "logs",
+                  output=tmp_path / "best.json", plot=plot_path, as_json=as_json,
+                  progress=False, grid=grid,
+                  measure=fake_measure(drive, direction, use_gds=use_gds),
+                  stdout=out, stderr=err)
     assert rc == 0, err.getvalue()
     text = out.getvalue()
     if as_json:
         printed = json.loads(text)
-        assert printed["evaluations"] == len(grid)
+        assert printed["evaluations"] == len(grid) and printed["stopped"] is False
+        assert "10^9" in printed["units"]
     else:
-        assert "GB/s = 10^9 bytes per second" in text
-        assert text.splitlines()[1].startswith("* " + winner.name)
+        assert "GB/s = 10^9 bytes per second" in text and "bigger is better" in text
+        assert text.splitlines()[2].startswith("* " + winner.name)
         printed = json.loads(text[text.index("\n{\n") + 1:])
     for cfg in (AioConfig.from_dict(printed), AioConfig.from_json(tmp_path / "best.json")):
         assert_is_point(cfg, winner.name, use_gds=use_gds)
@@ -440,25 +442,59 @@ def test_main_from_cli_prints_a_loadable_section(tmp_path: Path, direction: Dire
     assert len(parse_logs(tmp_path / "logs")) == len(grid) * (2 if direction == "both" else 1)
 
 
-def test_main_from_cli_all_failed(tmp_path: Path) -> None:
+def test_a_first_point_that_fails_stops_the_sweep(tmp_path: Path) -> None:
+    """A reason that fails every point (no GPU, no memory, a full disk) is reported once."""
+    calls: list[SweepPoint] = []
+
     def measure(p: SweepPoint) -> list[Result]:
+        calls.append(p)
         return [Result.failed(p, "write", MiB, "CuFileUnavailable: no CUDA device"),
                 Result.failed(p, "read", MiB, "CuFileUnavailable: no CUDA device")]
 
     out, err = io.StringIO(), io.StringIO()
-    rc = main_from_cli(dirs=[str(tmp_path)], io_size=MiB, direction="both", use_gds=True,
-                       search="fast", log_dir=tmp_path, progress=False,
-                       grid=default_grid(quick=True), measure=measure, stdout=out, stderr=err)
-    assert rc == 1
-    assert "no sweep point succeeded" in err.getvalue()
-    assert "CuFileUnavailable: no CUDA device" in err.getvalue()
+    rc = run_tune(dirs=[str(tmp_path)], io_size=MiB, direction="both", use_gds=True,
+                  search="fast", log_dir=tmp_path, progress=False,
+                  grid=default_grid(quick=True), measure=measure, stdout=out, stderr=err)
+    assert rc == 1 and len(calls) == 1
+    lines = [x for x in err.getvalue().splitlines() if "error" in x]
+    assert len(lines) == 1, err.getvalue()
+    assert "the first point failed (CuFileUnavailable: no CUDA device); stopped" in lines[0]
     assert "FAILED" in out.getvalue()
+    report = tune([], MiB, grid=default_grid(quick=True), measure=measure, search="grid")
+    assert report.stopped and report.evaluations == 1 and report.best is None
 
 
-def test_progress_bar_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_later_failure_does_not_stop_the_sweep() -> None:
+    f = fake_measure(synthetic_drive())
+
+    def measure(p: SweepPoint) -> list[Result]:
+        if p.queue_depth == 128:
+            return [Result.failed(p, d, MiB, "OSError: boom") for d in ("write", "read")]
+        return f(p)  # type: ignore[no-any-return]
+
+    report = tune([], MiB, grid=default_grid(quick=True), measure=measure, search="grid")
+    assert not report.stopped and report.evaluations == 72 and report.best is not None
+    assert report.best.queue_depth != 128
+
+
+def test_on_point_reports_progress() -> None:
     grid = Grid(block_sizes=(MiB,), queue_depths=(8, 32), intra_op_parallelism=(1,))
-    sweep(grid, fake_measure(synthetic_drive()), progress=True)
-    assert "aioswap tune" in capsys.readouterr().err
+    seen: list[tuple[str, int, float | None]] = []
+    sweep(grid, fake_measure(synthetic_drive()),
+          on_point=lambda p, rs, best: seen.append((p.name, len(rs), best)))
+    assert [n for n, _, _ in seen] == [p.name for p in grid]
+    assert all(k == 2 for _, k, _ in seen)
+    bests = [b for _, _, b in seen]
+    assert all(b is not None for b in bests) and bests == sorted(bests)  # type: ignore
+
+
+def test_run_tune_draws_no_bar_off_a_terminal(tmp_path: Path) -> None:
+    grid = Grid(block_sizes=(MiB,), queue_depths=(8, 32), intra_op_parallelism=(1,))
+    out, err = io.StringIO(), io.StringIO()
+    assert run_tune(dirs=[str(tmp_path)], io_size=MiB, direction="read", grid=grid,
+                    log_dir=tmp_path, measure=fake_measure(synthetic_drive(), "read"),
+                    stdout=out, stderr=err) == 0
+    assert "aioswap tune (fast)" not in err.getvalue() and "\r" not in err.getvalue()
 
 
 # -- showing ----------------------------------------------------------------------------------
@@ -466,18 +502,19 @@ def test_format_table() -> None:
     a, b, c = (SweepPoint.parse(n) for n in ("single_overlap_bs1M_qd32_p8",
                                               "block_sequential_bs8M_qd128_p2",
                                               "block_overlap_bs128K_qd4_p1"))
-    results = [Result.from_throughput(a, "read", 6.0), Result.from_throughput(a, "write", 5.0),
-               Result.from_throughput(b, "read", 3.0), Result.from_throughput(b, "write", 2.0),
+    results = [from_throughput(a, "read", 6.0), from_throughput(a, "write", 5.0),
+               from_throughput(b, "read", 3.0), from_throughput(b, "write", 2.0),
                Result.failed(c, "write", MiB, "OSError: boom"),
                Result.failed(c, "read", MiB, "OSError: boom")]
     lines = format_table(results).splitlines()
-    assert lines[0].split() == ["point", "read", "GB/s", "write", "GB/s", "hmean", "GB/s",
-                                "status"]
+    assert lines[0].split() == ["point", "read", "GB/s", "spread", "write", "GB/s", "spread",
+                                "hmean", "GB/s", "status"]
     assert lines[1].startswith("* " + a.name) and "6.000" in lines[1] and "5.455" in lines[1]
     assert lines[2].startswith("  " + b.name)
     assert lines[3].startswith("  " + c.name) and lines[3].endswith("FAILED: OSError: boom")
     assert "3 point(s), 1 failed" in lines[-1] and "10^9 bytes" in lines[-1]
-    half = format_table(results[:4] + [Result.from_throughput(c, "read", 1.0), results[4]])
+    assert "bigger is better" in lines[-1]
+    half = format_table(results[:4] + [from_throughput(c, "read", 1.0), results[4]])
     assert half.splitlines()[3].endswith("FAILED write: OSError: boom")
     only_read = format_table([r for r in results if r.direction == "read"])
     assert "write GB/s" not in only_read and "hmean" not in only_read
@@ -485,11 +522,19 @@ def test_format_table() -> None:
 
 def test_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    results = sweep(default_grid(quick=True), fake_measure(synthetic_drive()), progress=False)
+    results = sweep(default_grid(quick=True), fake_measure(synthetic_drive()))
     results.append(Result.failed(SweepPoint.parse("block_overlap_bs8M_qd4_p1"), "read", MiB,
                                  "boom"))
-    out = plot(results, tmp_path / "sweep.png")
+    out = plot(results, tmp_path / "sweep.png", title="aioswap tune: 64 MiB per point, /nvme")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib.image import imread
+    img = imread(str(out))
+    h, w = img.shape[:2]
+    assert 500 < w < 2500 and 300 < h < 2000, (w, h)   # two panels (parallelism 1, 2)
+    red = (img[..., 0] > 0.9) & (img[..., 1] < 0.15) & (img[..., 2] < 0.15)
+    assert red.sum() > 200  # the best cell's box (and the failed point's cross)
+    with pytest.raises(ValueError, match="nothing to plot"):
+        plot([], tmp_path / "empty.png")
 
 
 def test_plot_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -502,13 +547,17 @@ def test_plot_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 # -- a real sweep on the disk ------------------------------------------------------------------
 def test_tune_argument_errors() -> None:
     with pytest.raises(ValueError, match="at least one directory"):
-        tune([], MiB, progress=False)
+        tune([], MiB)
     with pytest.raises(ValueError, match="io_size must be positive"):
-        tune(["."], 0, progress=False)
+        tune(["."], 0)
+    with pytest.raises(ValueError, match="smaller than the largest block size swept"):
+        tune(["."], 1)  # the issue's --io-size 1, which recommended 4 MiB blocks
+    with pytest.raises(ValueError, match="repeat must be at least 1"):
+        tune(["."], MiB, repeat=0)
     with pytest.raises(ValueError, match="direction must be 'read', 'write' or 'both'"):
         recommend([], direction="up")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="search must be 'fast' or 'grid'"):
-        tune(["."], MiB, search="random", progress=False)  # type: ignore[arg-type]
+        tune(["."], MiB, search="random")  # type: ignore[arg-type]
 
 
 needs_handle = pytest.mark.skipif(not hasattr(aioswap, "AioHandle"),
@@ -524,7 +573,7 @@ def test_real_sweep_two_points(tmp_dir: Path, direction: Direction) -> None:
     grid = Grid(block_sizes=(256 << 10,), queue_depths=(8,), intra_op_parallelism=(1, 2),
                 overlap_events=(True,), single_submit=(False,))
     report = tune(dirs, 4 * MiB, direction=direction, search="grid",
-                  grid=grid, log_dir=tmp_dir / "logs", progress=False)
+                  grid=grid, log_dir=tmp_dir / "logs")
     assert report.error is None, format_table(report.results)
     n = 2 * (2 if direction == "both" else 1)
     assert all(r.ok for r in report.results) and len(report.results) == n
@@ -547,3 +596,43 @@ def test_real_gds_point_without_gpu_is_a_failed_point(tmp_dir: Path) -> None:
     assert [r.direction for r in results] == ["write", "read"]
     assert all(not r.ok and r.error and r.use_gds for r in results)
     assert not any(tmp_dir.iterdir())
+
+
+# -- measuring: honest figures, and reasons that fail every point ---------------------------------
+@needs_handle
+def test_run_point_repeats_and_keeps_every_round(tmp_dir: Path) -> None:
+    p = SweepPoint.parse("block_overlap_bs256K_qd8_p1")
+    results = run_point(p, [tmp_dir], 2 * MiB, repeat=3)
+    assert [r.direction for r in results] == ["write", "read"]
+    for r in results:
+        assert r.ok and len(r.samples) == 3 and r.nbytes == 2 * MiB
+        assert r.seconds == pytest.approx(sorted(r.samples)[1])
+        assert r.spread is not None and r.spread >= 0
+        rec = r.to_json_dict()
+        assert len(rec["samples"]) == 3 and rec["spread"] == pytest.approx(r.spread, abs=1e-6)
+        assert Result.from_json_dict(rec).samples == pytest.approx(r.samples)
+    assert not any(tmp_dir.iterdir())
+
+
+def test_tune_without_torch_stops_before_measuring(tmp_dir: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(TuneError, match="tune needs torch: pip install torch"):
+        check_environment(MiB)
+    with pytest.raises(UsageError, match="tune needs torch"):
+        run_tune(dirs=[str(tmp_dir)], io_size=8 * MiB, direction="both", progress=False,
+                 log_dir=tmp_dir / "logs", stdout=io.StringIO(), stderr=io.StringIO())
+    assert list(tmp_dir.iterdir()) == []
+
+
+def test_gds_tune_without_a_gpu_stops_before_measuring() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(TuneError, match="--gds needs a CUDA device"):
+        check_environment(MiB, use_gds=True)
+
+
+def test_tune_refuses_more_memory_than_there_is() -> None:
+    with pytest.raises(TuneError, match="of memory for its buffers .* use a smaller --io-size"):
+        check_environment(1 << 50)
