@@ -27,7 +27,7 @@ buffer with a storage of its own (``torch.frombuffer``): tensors never appear to
 
 Writing: the header (compact JSON, spaces up to a multiple of 8 bytes, tensors ordered by
 alignment then name, as ``safetensors`` writes them) and the tensors' bytes are staged
-through a ring of page-locked 64 MiB slots written at aligned file offsets with ``O_DIRECT``,
+through a ring of page-locked 16 MiB slots written at aligned file offsets with ``O_DIRECT``,
 the copy into one slot overlapping the writes of the others; then fsync, and the temporary
 file is renamed over ``filename`` (a crash never leaves a half-written checkpoint there).
 """
@@ -78,8 +78,9 @@ MAX_HEADER_BYTES = 100_000_000
 # statx reports on common file systems: 512 or 4096).
 _ALIGN = 4096
 _GROUP_BYTES = 64 << 20       # read: bytes of consecutive tensors per buffer (one request)
-_SLOT_BYTES = 64 << 20        # write: bytes per staging slot (one request)
-_SLOTS = 3                    # write: staging slots in the ring
+_FIRST_GROUP_BYTES = 4 << 20  # read: the first group; each next one twice the last, up to 64 MiB
+_SLOT_BYTES = 16 << 20        # write: bytes per staging slot (one request)
+_SLOTS = 4                    # write: staging slots in the ring
 _METADATA_KEY = "__metadata__"
 
 
@@ -104,8 +105,11 @@ class _DType:
     packed: int = 1           # file elements per torch element (2 for F4 as float4_e2m1fn_x2)
 
 
-_DTYPE_LIST = [
+_DTYPE_LIST = [     # in the order of safetensors' Dtype enum: writers sort by it
     _DType("BOOL", 8, "bool"),
+    _DType("F4", 4, "float4_e2m1fn_x2", packed=2),
+    _DType("F6_E2M3", 6, None),
+    _DType("F6_E3M2", 6, None),
     _DType("U8", 8, "uint8"),
     _DType("I8", 8, "int8"),
     _DType("F8_E5M2", 8, "float8_e5m2"),
@@ -124,11 +128,9 @@ _DTYPE_LIST = [
     _DType("F64", 64, "float64"),
     _DType("I64", 64, "int64"),
     _DType("U64", 64, "uint64"),
-    _DType("F4", 4, "float4_e2m1fn_x2", packed=2),
-    _DType("F6_E2M3", 6, None),
-    _DType("F6_E3M2", 6, None),
 ]
 _DTYPES = {d.name: d for d in _DTYPE_LIST}
+_RANK = {d.name: i for i, d in enumerate(_DTYPE_LIST)}
 
 #: The format's dtype names and their bits per element.
 DTYPES: Mapping[str, int] = {d.name: d.bits for d in _DTYPE_LIST}
@@ -403,8 +405,14 @@ class _Group:
     future: Any = None
 
 
-def _groups(header: Header, file_size: int, group_bytes: int) -> list[_Group]:
+def _groups(header: Header, file_size: int, first: int, most: int) -> list[_Group]:
+    """Tensors in file order, cut into groups of ``first``, ``2 * first``... ``most`` bytes.
+
+    Small groups first, so the first read starts early and the allocation of the later,
+    larger buffers overlaps the reads of the earlier ones.
+    """
     out: list[_Group] = []
+    group_bytes = first
     cur: list[TensorInfo] = []
     order = sorted((i for i in header.tensors.values() if i.nbytes),
                    key=lambda i: i.begin)
@@ -417,6 +425,7 @@ def _groups(header: Header, file_size: int, group_bytes: int) -> list[_Group]:
             stop = min(-(-hi // _ALIGN) * _ALIGN, file_size)
             out.append(_Group(cur, start, stop - start))
             cur = []
+            group_bytes = min(most, 2 * group_bytes)
     return out
 
 
@@ -478,13 +487,14 @@ def load_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
                                path=path)
     limit = _phys_bytes() // 2 if max_pinned_bytes is None else operator.index(
         max_pinned_bytes)
-    own = handle is None
-    h = AioHandle() if handle is None else handle
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    h: AioHandle | None = None
     try:
         header = _read_header_fd(fd, path)
+        h = AioHandle() if handle is None else handle
         types = {name: _dtype_of(info, path) for name, info in header.tensors.items()}
-        groups = _groups(header, header.data_offset + header.data_bytes, _GROUP_BYTES)
+        groups = _groups(header, header.data_offset + header.data_bytes,
+                         _FIRST_GROUP_BYTES, _GROUP_BYTES)
         futures: list[Any] = []
         locked = 0
         try:
@@ -516,7 +526,7 @@ def load_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
         return {name: out[name] for name in header.tensors}
     finally:
         os.close(fd)
-        if own:
+        if handle is None and h is not None:
             h.close()
 
 
@@ -586,11 +596,12 @@ def _layout(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | N
             ) -> tuple[bytes, list[tuple[str, int, int]]]:
     """The header bytes (length prefix and padding included) and (name, begin, end)."""
     _check_inputs(tensors, metadata)
-    # safetensors' order: larger alignment first, then by name; keeps every tensor aligned
-    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    # safetensors' order (its dtype enum, descending, then the name): larger alignments
+    # first keeps every tensor aligned, and the file is byte for byte what safetensors writes
+    order = sorted(tensors, key=lambda k: (-_RANK[_FROM_TORCH[tensors[k].dtype].name], k))
     obj: dict[str, Any] = {}
     if metadata is not None:
-        obj[_METADATA_KEY] = dict(metadata)
+        obj[_METADATA_KEY] = dict(sorted(metadata.items()))     # deterministic bytes
     spans = []
     pos = 0
     for name in order:
@@ -674,7 +685,7 @@ def save_file(tensors: Mapping[str, torch.Tensor], filename: PathLike,
 
     Notes
     -----
-    The bytes go through a ring of three page-locked 64 MiB slots (less for a small
+    The bytes go through a ring of four page-locked 16 MiB slots (less for a small
     file) written at 4096-aligned offsets, so the data is written with ``O_DIRECT``; the
     temporary file ``.<name>.<random>.tmp`` beside ``filename`` is fsynced, renamed over it
     and the directory fsynced. The tensors must not change until this returns.
@@ -688,11 +699,11 @@ def save_file(tensors: Mapping[str, torch.Tensor], filename: PathLike,
             pieces.append(_Piece(len(head) + begin, end - begin, tensors[name]))
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
-    own = handle is None
-    h = AioHandle() if handle is None else handle
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    h: AioHandle | None = None
     done = False
     try:
+        h = AioHandle() if handle is None else handle
         _write_pieces(h, fd, pieces, total)
         os.fsync(fd)
         os.close(fd)
@@ -708,7 +719,7 @@ def save_file(tensors: Mapping[str, torch.Tensor], filename: PathLike,
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
-        if own:
+        if handle is None and h is not None:
             h.close()
 
 
