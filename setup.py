@@ -1,6 +1,35 @@
-"""Build the Cython extensions; all metadata lives in pyproject.toml."""
+"""Build the Cython extensions and ship the DeepSpeed hook; all metadata is in pyproject.toml."""
+import os
+
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+# Runs aioswap.compat.deepspeed.install() at interpreter start when AIOSWAP_DEEPSPEED=1
+# (and does nothing else). A .pth file works only at the top of site-packages.
+PTH = "aioswap-deepspeed.pth"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class BuildPyWithPth(build_py):
+    """build_py that also puts aioswap-deepspeed.pth at the root of the wheel."""
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):
+            # Editable wheels (PEP 660): setuptools points install_lib at the unpacked wheel
+            # directory, whose files all go into the wheel; build_lib is thrown away.
+            target = self.get_finalized_command("install").install_lib
+        else:
+            target = self.build_lib
+        self.copy_file(os.path.join(HERE, PTH), os.path.join(target, PTH), preserve_mode=False)
+
+    def get_outputs(self, include_bytecode=True):
+        outputs = super().get_outputs(include_bytecode)
+        if not getattr(self, "editable_mode", False):
+            outputs.append(os.path.join(self.build_lib, PTH))
+        return outputs
+
 
 extensions = [
     # Raw syscalls: no libaio, no libaio-dev.
@@ -10,4 +39,5 @@ extensions = [
               extra_compile_args=["-O2"]),
 ]
 
-setup(ext_modules=cythonize(extensions, compiler_directives={"language_level": "3"}))
+setup(ext_modules=cythonize(extensions, compiler_directives={"language_level": "3"}),
+      cmdclass={"build_py": BuildPyWithPth})

@@ -1,35 +1,163 @@
-"""DeepSpeed DeepNVMe's ``aio_handle`` API on top of :class:`aioswap.AioHandle`.
+"""DeepSpeed DeepNVMe's ``async_io``, ``gds`` and ``pin_memory`` op modules on aioswap.
 
-Same constructor (defaults 1 MiB, 128, False, False, 1), method names, argument order and
-return values as ``deepspeed.ops.op_builder.AsyncIOBuilder().load().aio_handle``, so code
-written for DeepNVMe runs unchanged. Differences, on purpose:
+This module is what ``AsyncIOBuilder().load()``, ``GDSBuilder().load()`` and
+``PinMemoryBuilder().load()`` return once :func:`aioswap.compat.deepspeed.install` ran:
+
+* :class:`aio_handle` and :class:`gds_handle`: DeepNVMe's constructor (defaults 1 MiB, 128,
+  False, False, 1), method names, argument names (``async``, ``fd``, ``example_tenosr``...)
+  and return values (``async_* -> 0``, synchronous calls and ``wait()`` -> the number of
+  operations completed, ``read``/``write`` -> 0, ``free_*`` -> bool);
+* :func:`aio_read`, :func:`aio_write`, :func:`deepspeed_memcpy`: DeepNVMe's module functions
+  (``ds_io --engine aio_basic`` calls them);
+* :class:`pin_handle`: the ``pin_memory`` op's handle.
+
+Every handle shares one process-wide manager of the locked tensors it allocated, and
+``is_pinned`` asks aioswap's registry, so memory locked through any of them (or through
+``aioswap.pinned``) is recognised by all of them.
+
+Differences from DeepNVMe, on purpose:
 
 * errors raise exceptions (``OSError``, ``ShortReadError``, ``ValueError``...) instead of
-  aborting the process or returning -1;
+  aborting the process or printing and returning -1;
 * ``wait()`` with nothing queued returns 0 instead of aborting;
-* reads past the end of the file, tails that are not 512-aligned and non-contiguous tensors
-  work (or raise) instead of losing data silently;
+* any block size, buffer size, file offset and parallelism works; reads past the end of the
+  file raise; non-contiguous tensors are read and written correctly;
+* ``free_cpu_locked_tensor`` never frees memory that a view still uses: it drops the
+  manager's reference and the memory goes with the last view (DeepNVMe frees at once);
 * ``validate=True`` compares the tensor with a plain read of the file and raises
   ``ValueError`` on a mismatch instead of printing.
 """
 from __future__ import annotations
 
 import os
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Union
 
-from aioswap.handle import AioHandle, FileArg, IOFuture
+from aioswap import pinned
+from aioswap.handle import AioHandle, IOFuture
 
-__all__ = ["aio_handle", "gds_handle"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["aio_handle", "aio_read", "aio_write", "deepspeed_memcpy", "gds_handle",
+           "pin_handle"]
+
+FileArg = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]", int]
+
+O_DIRECT_ALIGNMENT = 512
+"""DeepNVMe's ``get_alignment()`` unit: 512 bytes per intra-op worker."""
+
+
+# ---------------------------------------------------------------------------------------
+# The locked-tensor manager shared by every handle (DeepNVMe's deepspeed_pin_tensor_t)
+
+
+class _LockedTensors:
+    """Process-wide record of the locked tensors the compat handles allocated.
+
+    Keyed by allocation address, as DeepNVMe's manager is. The record holds the tensor's
+    *storage*, not the tensor: the memory stays alive until it is freed (DeepNVMe's
+    lifetime), while the tensor object itself may be collected (DeepSpeed's native pinned
+    memory manager frees by address from a finalizer on it). Freeing drops the record, so
+    the memory goes when the last tensor viewing it is collected, never earlier.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[int, Any] = {}
+
+    def new(self, num_elem: int, example_tensor: Any) -> torch.Tensor:
+        dtype = getattr(example_tensor, "dtype", None)
+        if dtype is None:
+            raise TypeError(f"example_tensor must be a torch tensor (its dtype is used), got "
+                            f"{type(example_tensor).__name__}")
+        t: torch.Tensor = pinned.empty(int(num_elem), dtype)
+        with self._lock:
+            self._held[t.data_ptr()] = t.untyped_storage()
+        return t
+
+    def free(self, tensor: Any) -> bool:
+        torch = _torch()
+        if torch is None or not isinstance(tensor, torch.Tensor) or not tensor.is_cpu:
+            return False
+        try:
+            address = tensor.data_ptr()
+        except RuntimeError:            # tensors without storage (meta, fake, sparse...)
+            return False
+        return self.free_by_ptr(address)
+
+    def free_by_ptr(self, address: int) -> bool:
+        with self._lock:
+            storage = self._held.pop(int(address), None)
+        # `storage` is released here, outside the lock: if it was the last user, the
+        # registry's finalizer unlocks and unmaps the memory now.
+        return storage is not None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+
+_locked = _LockedTensors()
+
+
+def _torch() -> Any:
+    import sys
+    return sys.modules.get("torch")
+
+
+# ---------------------------------------------------------------------------------------
+# aio_handle
+
+
+def _pick_file(op: str, filename: FileArg | None, fd: int | None) -> FileArg:
+    if fd is not None:
+        if filename is not None:
+            raise TypeError(f"{op}() takes either filename or fd, not both")
+        if isinstance(fd, bool) or not isinstance(fd, int):
+            raise TypeError(f"{op}(): fd must be an int, got {type(fd).__name__}")
+        return fd
+    if filename is None:
+        raise TypeError(f"{op}() missing required argument: 'filename' (or 'fd')")
+    return filename
+
+
+def _pick_async(op: str, async_op: bool | None, extra: dict[str, Any]) -> bool:
+    """DeepNVMe names the flag ``async`` (a Python keyword: passed as ``**{"async": x}``)."""
+    if "async" in extra:
+        if async_op is not None:
+            raise TypeError(f"{op}() got both 'async' and 'async_op'")
+        async_op = extra.pop("async")
+    if extra:
+        raise TypeError(f"{op}() got unexpected keyword argument(s): {', '.join(sorted(extra))}")
+    if async_op is None:
+        raise TypeError(f"{op}() missing required argument: 'async'")
+    return bool(async_op)
 
 
 class aio_handle:  # noqa: N801  (DeepNVMe's spelling)
-    """DeepNVMe-compatible handle. See the module docstring for the differences."""
+    """DeepNVMe-compatible handle; see the module docstring for the differences.
+
+    Parameters
+    ----------
+    block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism
+        As for :class:`aioswap.AioHandle` (DeepNVMe's defaults: 1 MiB, 128, False, False,
+        1). Any positive block size works; the engine rounds the pieces it submits to the
+        file's direct-I/O alignment.
+
+    Notes
+    -----
+    Synchronous calls queue the request and then wait for *every* queued request, so they
+    return the number of operations completed, as DeepNVMe's do (1 when nothing else was
+    queued).
+    """
 
     def __init__(self, block_size: int = 1048576, queue_depth: int = 128,
                  single_submit: bool = False, overlap_events: bool = False,
                  intra_op_parallelism: int = 1) -> None:
         self._h = self._new_handle(block_size, queue_depth, single_submit, overlap_events,
                                    intra_op_parallelism)
+        self._lock = threading.Lock()
         self._to_validate: list[tuple[IOFuture, Any, FileArg, int]] = []
 
     def _new_handle(self, *knobs: Any) -> AioHandle:
@@ -52,74 +180,106 @@ class aio_handle:  # noqa: N801  (DeepNVMe's spelling)
         return self._h.intra_op_parallelism
 
     def get_alignment(self) -> int:
-        """Alignment of locked tensors from :meth:`new_cpu_locked_tensor` (a page)."""
-        from aioswap._aio import PAGE_SIZE
-        return int(PAGE_SIZE)
+        """``512 * intra_op_parallelism``, as DeepNVMe (DeepSpeed sizes swap buffers by it)."""
+        return O_DIRECT_ALIGNMENT * self._h.intra_op_parallelism
 
     # -- I/O -------------------------------------------------------------------------------
-    def read(self, buffer: Any, filename: FileArg, validate: bool,
-             file_offset: int = 0) -> int:
+    def read(self, buffer: Any, filename: FileArg | None = None, validate: bool = False,
+             file_offset: int = 0, *, fd: int | None = None) -> int:
         """Blocking read of the whole buffer; returns 0 (DeepNVMe's success value)."""
-        self._h.pread(buffer, filename, file_offset)
+        file = _pick_file("read", filename, fd)
+        self._h.pread(buffer, file, file_offset)
         if validate:
-            _validate(buffer, filename, file_offset)
+            _validate(buffer, file, file_offset)
         return 0
 
-    def write(self, buffer: Any, filename: FileArg, validate: bool,
-              file_offset: int = 0) -> int:
+    def write(self, buffer: Any, filename: FileArg | None = None, validate: bool = False,
+              file_offset: int = 0, *, fd: int | None = None) -> int:
         """Blocking write of the whole buffer; returns 0."""
-        self._h.pwrite(buffer, filename, file_offset)
+        file = _pick_file("write", filename, fd)
+        self._h.pwrite(buffer, file, file_offset)
         if validate:
-            _validate(buffer, filename, file_offset)
+            _validate(buffer, file, file_offset)
         return 0
 
-    def pread(self, buffer: Any, filename: FileArg, validate: bool, async_op: bool,
-              file_offset: int = 0) -> int:
-        """Read; returns 0 when ``async_op`` (finish with :meth:`wait`), else 1."""
-        return self._submit(self._h.pread, buffer, filename, validate, async_op, file_offset)
+    def pread(self, buffer: Any, filename: FileArg | None = None, validate: bool = False,
+              async_op: bool | None = None, file_offset: int = 0, *, fd: int | None = None,
+              **kwargs: Any) -> int:
+        """Read; returns 0 when asynchronous (finish with :meth:`wait`), else the count of
+        completed operations. The flag is the 4th argument, or ``async`` by keyword."""
+        asyn = _pick_async("pread", async_op, kwargs)
+        return self._submit(self._h.pread, buffer, _pick_file("pread", filename, fd),
+                            validate, asyn, file_offset)
 
-    def pwrite(self, buffer: Any, filename: FileArg, validate: bool, async_op: bool,
-               file_offset: int = 0) -> int:
-        """Write; returns 0 when ``async_op`` (finish with :meth:`wait`), else 1."""
-        return self._submit(self._h.pwrite, buffer, filename, validate, async_op, file_offset)
+    def pwrite(self, buffer: Any, filename: FileArg | None = None, validate: bool = False,
+               async_op: bool | None = None, file_offset: int = 0, *, fd: int | None = None,
+               **kwargs: Any) -> int:
+        """Write; returns 0 when asynchronous (finish with :meth:`wait`), else the count of
+        completed operations."""
+        asyn = _pick_async("pwrite", async_op, kwargs)
+        return self._submit(self._h.pwrite, buffer, _pick_file("pwrite", filename, fd),
+                            validate, asyn, file_offset)
 
-    def sync_pread(self, buffer: Any, filename: FileArg, file_offset: int = 0) -> int:
-        return self.pread(buffer, filename, False, False, file_offset)
+    def sync_pread(self, buffer: Any, filename: FileArg | None = None, file_offset: int = 0,
+                   *, fd: int | None = None) -> int:
+        return self._submit(self._h.pread, buffer, _pick_file("sync_pread", filename, fd),
+                            False, False, file_offset)
 
-    def sync_pwrite(self, buffer: Any, filename: FileArg, file_offset: int = 0) -> int:
-        return self.pwrite(buffer, filename, False, False, file_offset)
+    def sync_pwrite(self, buffer: Any, filename: FileArg | None = None, file_offset: int = 0,
+                    *, fd: int | None = None) -> int:
+        return self._submit(self._h.pwrite, buffer, _pick_file("sync_pwrite", filename, fd),
+                            False, False, file_offset)
 
-    def async_pread(self, buffer: Any, filename: FileArg, file_offset: int = 0) -> int:
-        return self.pread(buffer, filename, False, True, file_offset)
+    def async_pread(self, buffer: Any, filename: FileArg | None = None, file_offset: int = 0,
+                    *, fd: int | None = None) -> int:
+        return self._submit(self._h.pread, buffer, _pick_file("async_pread", filename, fd),
+                            False, True, file_offset)
 
-    def async_pwrite(self, buffer: Any, filename: FileArg, file_offset: int = 0) -> int:
-        """Asynchronous write to a path or an open fd; returns 0."""
-        return self.pwrite(buffer, filename, False, True, file_offset)
+    def async_pwrite(self, buffer: Any, filename: FileArg | None = None, file_offset: int = 0,
+                     *, fd: int | None = None) -> int:
+        """Asynchronous write to a path, or to an open descriptor (``fd=``); returns 0."""
+        return self._submit(self._h.pwrite, buffer, _pick_file("async_pwrite", filename, fd),
+                            False, True, file_offset)
 
     def wait(self) -> int:
         """Finish the queued asynchronous operations; return how many (0 when none).
 
         Operations submitted with ``validate=True`` are compared with the file afterwards.
         """
+        with self._lock:
+            return self._wait_locked()
+
+    def _wait_locked(self) -> int:
         try:
             return self._h.wait()
         finally:
             checks, self._to_validate = self._to_validate, []
-            for fut, buffer, filename, offset in checks:
-                if fut.exception() is None:
-                    _validate(buffer, filename, offset)
+            for fut, buffer, file, offset in checks:
+                if fut.done() and fut.exception() is None:
+                    _validate(buffer, file, offset)
 
     # -- locked memory ---------------------------------------------------------------------
-    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any) -> Any:
-        """A 1-D page-locked tensor of ``num_elem`` elements of ``example_tensor.dtype``."""
-        return self._h.new_cpu_locked_tensor(num_elem, example_tensor.dtype)
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any = None,
+                              **kwargs: Any) -> torch.Tensor:
+        """A 1-D page-locked tensor of ``num_elem`` elements of ``example_tensor.dtype``.
+
+        DeepNVMe's keyword for the example is ``example_tenosr`` (sic); both spellings work.
+        Release it with :meth:`free_cpu_locked_tensor` (or any handle's).
+        """
+        return _locked.new(num_elem, _example(example_tensor, kwargs))
 
     def free_cpu_locked_tensor(self, tensor: Any) -> bool:
-        self._h.free_cpu_locked_tensor(tensor)
-        return True
+        """Release a tensor from :meth:`new_cpu_locked_tensor`; False for any other tensor.
 
-    def is_pinned(self, tensor: Any) -> bool:
-        return self._h.is_pinned(tensor)
+        The memory is released when the last tensor viewing it is gone, so views that are
+        still alive stay valid.
+        """
+        return _locked.free(tensor)
+
+    def is_pinned(self, buffer: Any) -> bool:
+        """Whether ``buffer`` lies in locked memory (any aioswap allocation or registration,
+        or torch-pinned memory)."""
+        return pinned.is_pinned(buffer)
 
     # -- beyond DeepNVMe -------------------------------------------------------------------
     @property
@@ -136,40 +296,115 @@ class aio_handle:  # noqa: N801  (DeepNVMe's spelling)
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _submit(self, fn: Any, buffer: Any, filename: FileArg, validate: bool,
+    def _submit(self, fn: Callable[..., Any], buffer: Any, file: FileArg, validate: bool,
                 async_op: bool, file_offset: int) -> int:
-        if async_op:
-            fut: IOFuture = fn(buffer, filename, file_offset, async_op=True)
+        # One lock over submit-and-wait, as DeepNVMe's handle mutex: a synchronous call
+        # from one thread is not counted in another thread's synchronous call.
+        with self._lock:
+            fut: IOFuture = fn(buffer, file, file_offset, async_op=True)
             if validate:
-                self._to_validate.append((fut, buffer, filename, file_offset))
-            return 0
-        fn(buffer, filename, file_offset)
-        if validate:
-            _validate(buffer, filename, file_offset)
-        return 1
+                self._to_validate.append((fut, buffer, file, file_offset))
+            if async_op:
+                return 0
+            # DeepNVMe's synchronous calls wait for everything queued and return that count.
+            return self._wait_locked()
 
 
-def _validate(buffer: Any, filename: FileArg, file_offset: int) -> None:
-    """Compare ``buffer`` with a plain read of the file; raise ValueError on a mismatch."""
+def _example(example_tensor: Any, kwargs: dict[str, Any]) -> Any:
+    for name in ("example_tenosr", "example_tensor"):      # DeepNVMe's typo, pin_memory's
+        if name in kwargs:
+            if example_tensor is not None:
+                raise TypeError(f"new_cpu_locked_tensor() got the example twice ({name})")
+            example_tensor = kwargs.pop(name)
+    if kwargs:
+        raise TypeError(f"new_cpu_locked_tensor() got unexpected keyword argument(s): "
+                        f"{', '.join(sorted(kwargs))}")
+    if example_tensor is None:
+        raise TypeError("new_cpu_locked_tensor() missing required argument: 'example_tensor'")
+    return example_tensor
+
+
+def _bytes_of(buffer: Any) -> bytes:
+    torch = _torch()
+    if torch is not None and isinstance(buffer, torch.Tensor):
+        c = buffer.detach().cpu().contiguous()
+        data: bytes = c.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return data
     import numpy as np
+    return np.ascontiguousarray(buffer).tobytes()
 
-    from aioswap.handle import _resolve
-    mem = _resolve(buffer)
-    if mem.tensor is not None:
-        import torch
-        c = mem.tensor.detach().cpu().contiguous()
-        data = c.as_strided((c.numel(),), (1,)).view(torch.uint8).numpy().tobytes()
+
+def _validate(buffer: Any, file: FileArg, file_offset: int) -> None:
+    """Compare ``buffer`` with a plain read of the file; raise ValueError on a mismatch."""
+    data = _bytes_of(buffer)
+    if isinstance(file, int):
+        disk = os.pread(file, len(data), file_offset)
     else:
-        data = np.ascontiguousarray(mem.array).tobytes()
-    if isinstance(filename, int):
-        disk = os.pread(filename, len(data), file_offset)
-    else:
-        with open(filename, "rb") as f:
+        with open(file, "rb") as f:
             f.seek(file_offset)
             disk = f.read(len(data))
     if disk != data:
         raise ValueError(f"validation failed: {len(data)} bytes at offset {file_offset} of "
-                         f"{filename!r} differ from the buffer")
+                         f"{file!r} differ from the buffer")
+
+
+# ---------------------------------------------------------------------------------------
+# Module functions of DeepNVMe's async_io op
+
+
+def aio_read(buffer: Any, filename: FileArg, block_size: int, queue_depth: int,
+             single_submit: bool, overlap_events: bool, validate: bool) -> int:
+    """Read the whole file into ``buffer`` with a handle of these knobs; returns 0.
+
+    Raises
+    ------
+    ValueError
+        When the file's size is not the buffer's size (DeepNVMe asserts they are equal).
+    """
+    nbytes = _nbytes(buffer)
+    size = os.fstat(filename).st_size if isinstance(filename, int) else os.stat(filename).st_size
+    if size != nbytes:
+        raise ValueError(f"aio_read: {filename!r} has {size} bytes but the buffer has "
+                         f"{nbytes}; they must be equal")
+    with AioHandle(block_size, queue_depth, single_submit, overlap_events) as h:
+        h.pread(buffer, filename, 0)
+    if validate:
+        _validate(buffer, filename, 0)
+    return 0
+
+
+def aio_write(buffer: Any, filename: FileArg, block_size: int, queue_depth: int,
+              single_submit: bool, overlap_events: bool, validate: bool) -> int:
+    """Write the whole buffer at offset 0 of the file with a handle of these knobs; returns 0."""
+    with AioHandle(block_size, queue_depth, single_submit, overlap_events) as h:
+        h.pwrite(buffer, filename, 0)
+    if validate:
+        _validate(buffer, filename, 0)
+    return 0
+
+
+def deepspeed_memcpy(dest: Any, src: Any) -> int:
+    """Copy ``src`` into ``dest`` (same number of elements); returns 0."""
+    torch = _torch()
+    if torch is None or not isinstance(dest, torch.Tensor) or not isinstance(src, torch.Tensor):
+        raise TypeError("deepspeed_memcpy() takes two torch tensors")
+    if dest.numel() != src.numel():
+        raise ValueError(f"deepspeed_memcpy: dest has {dest.numel()} elements, src "
+                         f"{src.numel()}; they must be equal")
+    with torch.no_grad():
+        dest.copy_(src.reshape(dest.shape))
+    return 0
+
+
+def _nbytes(buffer: Any) -> int:
+    torch = _torch()
+    if torch is not None and isinstance(buffer, torch.Tensor):
+        return int(buffer.numel() * buffer.element_size())
+    return memoryview(buffer).nbytes
+
+
+# ---------------------------------------------------------------------------------------
+# gds_handle and pin_handle
 
 
 class gds_handle(aio_handle):  # noqa: N801  (DeepNVMe's spelling)
@@ -182,17 +417,46 @@ class gds_handle(aio_handle):  # noqa: N801  (DeepNVMe's spelling)
         from aioswap.gds import GdsHandle
         return GdsHandle(*knobs)
 
-    def new_pinned_device_tensor(self, num_elem: int, example_tensor: Any) -> Any:
-        return self._h.new_pinned_device_tensor(num_elem, example_tensor.dtype)  # type: ignore[attr-defined]
+    def new_pinned_device_tensor(self, num_elem: int, example_tensor: Any = None,
+                                 **kwargs: Any) -> torch.Tensor:
+        """A CUDA tensor registered with cuFile; release with :meth:`free_pinned_device_tensor`."""
+        example = _example(example_tensor, kwargs)
+        device = example.device if example.device.type == "cuda" else "cuda"
+        t: torch.Tensor = _torch().empty(int(num_elem), dtype=example.dtype, device=device)
+        self._h.pin_device_tensor(t)  # type: ignore[attr-defined]
+        return t
 
     def free_pinned_device_tensor(self, tensor: Any) -> bool:
-        self._h.unpin_device_tensor(tensor)  # type: ignore[attr-defined]
-        return True
+        return self.unpin_device_tensor(tensor)
 
     def pin_device_tensor(self, tensor: Any) -> bool:
         self._h.pin_device_tensor(tensor)  # type: ignore[attr-defined]
         return True
 
     def unpin_device_tensor(self, tensor: Any) -> bool:
-        self._h.unpin_device_tensor(tensor)  # type: ignore[attr-defined]
+        """Deregister ``tensor``; False when this handle had not registered it."""
+        try:
+            self._h.unpin_device_tensor(tensor)  # type: ignore[attr-defined]
+        except ValueError:
+            return False
         return True
+
+
+class pin_handle:  # noqa: N801  (DeepSpeed's spelling)
+    """The ``pin_memory`` op's handle, sharing the compat handles' locked-tensor manager."""
+
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any = None,
+                              **kwargs: Any) -> torch.Tensor:
+        """A 1-D page-locked tensor of ``num_elem`` elements of ``example_tensor.dtype``."""
+        return _locked.new(num_elem, _example(example_tensor, kwargs))
+
+    def free_cpu_locked_tensor(self, locked_tensor: Any) -> bool:
+        """As :meth:`aio_handle.free_cpu_locked_tensor`."""
+        return _locked.free(locked_tensor)
+
+    def free_cpu_locked_tensor_by_ptr(self, address: int) -> bool:
+        """Release the allocation that starts at ``address``; False when there is none."""
+        return _locked.free_by_ptr(address)
+
+    def is_pinned(self, buffer: Any) -> bool:
+        return pinned.is_pinned(buffer)
