@@ -33,6 +33,7 @@ file is renamed over ``filename`` (a crash never leaves a half-written checkpoin
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
 import math
@@ -79,6 +80,7 @@ MAX_HEADER_BYTES = 100_000_000
 _ALIGN = 4096
 _GROUP_BYTES = 64 << 20       # read: bytes of consecutive tensors per buffer (one request)
 _FIRST_GROUP_BYTES = 4 << 20  # read: the first group; each next one twice the last, up to 64 MiB
+_DEVICE_WINDOW_BYTES = 1 << 30   # read to a device: host staging bytes in flight at most
 _SLOT_BYTES = 16 << 20        # write: bytes per staging slot (one request)
 _SLOTS = 4                    # write: staging slots in the ring
 _METADATA_KEY = "__metadata__"
@@ -403,6 +405,7 @@ class _Group:
     nbytes: int
     buf: Any = None
     future: Any = None
+    locked: bool = False      # buf counts against the page-locked budget
 
 
 def _groups(header: Header, file_size: int, first: int, most: int) -> list[_Group]:
@@ -495,30 +498,49 @@ def load_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
         types = {name: _dtype_of(info, path) for name, info in header.tensors.items()}
         groups = _groups(header, header.data_offset + header.data_bytes,
                          _FIRST_GROUP_BYTES, _GROUP_BYTES)
-        futures: list[Any] = []
-        locked = 0
-        try:
-            for g in groups:      # allocate and submit; later allocations overlap the reads
-                if locked + g.nbytes <= limit:
-                    g.buf = memoryview(pinned.allocate(g.nbytes, strict=False))
-                    locked += g.nbytes
-                else:
-                    g.buf = memoryview(np.empty(g.nbytes, dtype=np.uint8))
-                target = torch.frombuffer(g.buf, dtype=torch.uint8)
-                g.future = h.pread(target, fd, g.file_start, async_op=True)
-                futures.append(g.future)
-        finally:
-            if futures:
-                concurrent.futures.wait(futures)
-        _wait_all(futures)
         out: dict[str, torch.Tensor] = {}
-        for g in groups:
+        futures: list[Any] = []
+        pending: collections.deque[_Group] = collections.deque()
+
+        def finish(g: _Group) -> None:
+            """Wait for one group, then make (and move) its tensors."""
+            concurrent.futures.wait([g.future])
+            if g.future.exception() is not None:
+                _wait_all(futures)                  # every read ends; the first error raises
             for info in g.infos:
                 dtype, shape = types[info.name]
                 t = _view(g.buf, header.data_offset + info.begin - g.file_start, info, dtype,
                           shape)
                 out[info.name] = t if dev.type == "cpu" else t.to(dev)
             g.buf = None
+
+        # Host memory: on the CPU it is the result, so every group keeps its buffer and the
+        # first `limit` bytes are page-locked. For a device it is staging: at most `window`
+        # bytes are in flight, and a group's buffer goes once its tensors are on the device.
+        window = None if dev.type == "cpu" else min(limit, _DEVICE_WINDOW_BYTES)
+        inflight = locked = 0
+        try:
+            for g in groups:      # allocate and submit; later allocations overlap the reads
+                while window is not None and pending and inflight + g.nbytes > window:
+                    done = pending.popleft()
+                    finish(done)
+                    inflight -= done.nbytes
+                    locked -= done.nbytes if done.locked else 0
+                if locked + g.nbytes <= limit:
+                    g.buf = memoryview(pinned.allocate(g.nbytes, strict=False))
+                    g.locked = True
+                    locked += g.nbytes
+                else:
+                    g.buf = np.empty(g.nbytes, dtype=np.uint8).data
+                target = torch.frombuffer(g.buf, dtype=torch.uint8)
+                g.future = h.pread(target, fd, g.file_start, async_op=True)
+                futures.append(g.future)
+                pending.append(g)
+                inflight += g.nbytes
+            while pending:
+                finish(pending.popleft())
+        finally:
+            concurrent.futures.wait(futures)        # never leave the kernel writing
         for name, info in header.tensors.items():     # empty tensors, and header order
             if name not in out:
                 dtype, shape = types[name]

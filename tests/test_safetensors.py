@@ -272,6 +272,32 @@ def test_cuda_round_trip(tmp_dir: Path) -> None:
         assert f.get_tensor("w").is_cuda
 
 
+def test_device_path_stages_through_a_window(tmp_dir: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loads to a device (here "meta", which needs no GPU) move each group as it lands."""
+    monkeypatch.setattr(ast, "_FIRST_GROUP_BYTES", 4096)
+    monkeypatch.setattr(ast, "_GROUP_BYTES", 4096)
+    monkeypatch.setattr(ast, "_DEVICE_WINDOW_BYTES", 3 * 4096)
+    sd = {f"t{i}": rand((1000 + i,), torch.float32) for i in range(12)}
+    sd["e"] = torch.zeros(0, 2)
+    p = tmp_dir / "w.safetensors"
+    ast.save_file(sd, p)
+    moved: list[str] = []
+    real_to = torch.Tensor.to
+
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        moved.append(raw_bytes(self).hex())
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    got = ast.load_file(p, device="meta")
+    assert list(got) == list(ast.read_header(p).tensors)
+    assert all(t.is_meta for t in got.values())
+    assert {k: (v.shape, v.dtype) for k, v in got.items()} == {
+        k: (v.shape, v.dtype) for k, v in sd.items()}
+    assert sorted(moved) == sorted(raw_bytes(v).hex() for k, v in sd.items() if k != "e")
+
+
 def test_f6_without_torch_dtype(tmp_dir: Path) -> None:
     hdr = {"x": {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [0, 3]}}
     p = header_file(tmp_dir / "f6.safetensors", hdr, b"abc")
@@ -375,7 +401,10 @@ def test_property_same_file_as_safetensors(tmp_dir: Path, spec: dict[str, Any],
     sd = {k: rand(shape, dt) for k, (shape, dt) in spec.items()}
     p = tmp_dir / "h.safetensors"
     ast.save_file(sd, p, metadata=md)
-    assert p.read_bytes() == st.save(sd, md)
+    if sd or md != {}:
+        assert p.read_bytes() == st.save(sd, md)
+    else:   # safetensors 0.8 writes '{},"__metadata__":{}}' here, which it cannot read back
+        assert st.load(p.read_bytes()) == {}
     assert_same(ast.load_file(p), sd)
 
 
