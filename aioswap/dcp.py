@@ -23,17 +23,19 @@ holding one ``torch.save`` blob per tensor), so the stock reader reads aioswap c
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import io
 import math
 import os
 import pickle
 import re
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
@@ -44,7 +46,7 @@ from torch.distributed.checkpoint.filesystem import (
     _StorageInfo,
     _StoragePrefix,
 )
-from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -152,12 +154,12 @@ def _blob_format(sizes: tuple[int, ...], dtype: torch.dtype) -> _BlobFormat:
     fmt = _formats.get(key)
     if fmt is not None:
         return fmt
-    nbytes = math.prod(sizes) * torch._utils._element_size(dtype)
+    nbytes = math.prod(sizes) * dtype.itemsize
     rec = _Recorder()
     # skip_data is thread-local and writes the storage record as a hole of nbytes, so no
     # tensor memory is touched or checksummed; the tensor itself is never filled in
     with torch.serialization.skip_data():
-        torch.save(torch.empty(sizes, dtype=dtype), rec)
+        torch.save(torch.empty(sizes, dtype=dtype), cast(IO[bytes], rec))
     buf = bytearray(rec.end)
     for off, piece in rec.pieces:
         buf[off:off + len(piece)] = piece
@@ -270,13 +272,53 @@ def _cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-@contextmanager
-def _use_handle(handle: AioHandle | None) -> Iterator[AioHandle]:
-    if handle is not None:
-        yield handle
-        return
-    with AioHandle() as h:
-        yield h
+class _HandlePool:
+    """Idle default handles, reused across saves and loads of this process.
+
+    Setting up and tearing down kernel AIO contexts costs tens of milliseconds (io_destroy
+    waits for in-flight work and an RCU grace period), more than a small checkpoint takes,
+    so a handle is borrowed for one ``write_data``/``read_data`` and returned. A borrower has
+    its handle to itself, so ``wait()`` sees only its own requests. Closed at exit; a forked
+    child starts with an empty pool.
+    """
+
+    def __init__(self, keep: int = 4) -> None:
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._free: list[AioHandle] = []
+        self._pid = os.getpid()
+        atexit.register(self.close)
+
+    @contextmanager
+    def borrow(self, handle: AioHandle | None) -> Iterator[AioHandle]:
+        if handle is not None:
+            yield handle
+            return
+        with self._lock:
+            if self._pid != os.getpid():        # handles' threads do not survive fork
+                self._free, self._pid = [], os.getpid()
+            h = self._free.pop() if self._free else None
+        if h is None or h.closed:
+            h = AioHandle()
+        try:
+            yield h
+        finally:
+            with self._lock:
+                keep = len(self._free) < self._keep and not h.closed and \
+                    self._pid == os.getpid()
+                if keep:
+                    self._free.append(h)
+            if not keep:
+                h.close()
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free = self._free, []
+        for h in free:
+            h.close()
+
+
+_handles = _HandlePool()
 
 
 def _drain(h: AioHandle) -> None:
@@ -416,7 +458,7 @@ class AioWriter(FileSystemWriter):
         glue_bytes = sum(len(seg) for fp in files for _, seg in fp.segments)
         glue = pinned.empty(max(glue_bytes, 1), torch.uint8, strict=False)
         fds: list[int] = []
-        with _use_handle(self._handle) as h:
+        with _handles.borrow(self._handle) as h:
             try:
                 at = 0
                 for fp, size in zip(files, sizes):
@@ -494,7 +536,7 @@ class AioWriter(FileSystemWriter):
                 pass
 
     # -- async staging ----------------------------------------------------------------------
-    def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict``'s tensors to page-locked CPU memory (``aioswap.pinned``).
 
         Used by ``dcp.async_save``: the copy is then written in the background with direct
@@ -506,10 +548,10 @@ class AioWriter(FileSystemWriter):
         try:
             staged = _stage(state_dict, cache)
         except _Unstageable:
-            return cast(STATE_DICT_TYPE, super().stage(state_dict))
+            return super().stage(state_dict)
         if self.cache_staged_state_dict:
             self._staged = staged
-        return cast(STATE_DICT_TYPE, staged)
+        return cast(dict[str, Any], staged)
 
 
 class _Unstageable(Exception):
@@ -538,9 +580,9 @@ def _stage(obj: Any, cache: Any) -> Any:
         c = cache if isinstance(cache, dict) else {}
         return {k: _stage(v, c.get(k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        c = cache if isinstance(cache, (list, tuple)) and len(cache) == len(obj) else \
-            [None] * len(obj)
-        staged = [_stage(v, cv) for v, cv in zip(obj, c)]
+        seq: Sequence[Any] = cache if isinstance(cache, (list, tuple)) and \
+            len(cache) == len(obj) else [None] * len(obj)
+        staged = [_stage(v, cv) for v, cv in zip(obj, seq)]
         if isinstance(obj, list):
             return staged
         return type(obj)(*staged) if hasattr(obj, "_fields") else tuple(staged)
@@ -620,7 +662,7 @@ class AioReader(FileSystemReader):
             super().read_data(dataclasses.replace(plan, items=stock), planner).wait()
         fds: dict[str, tuple[int, int]] = {}
         try:
-            with _use_handle(self._handle) as h:
+            with _handles.borrow(self._handle) as h:
                 self._read_tensors(h, direct, planner, fds)
                 self._read_blobs(h, blobs, planner, fds)
         finally:
@@ -665,7 +707,7 @@ class AioReader(FileSystemReader):
                 raise RuntimeError(f"{req.storage_index.fqn}: request {list(offsets)}+"
                                    f"{list(lengths)} lies outside the stored chunk "
                                    f"{list(sizes)} in {info.relative_path}")
-            esize = torch._utils._element_size(dtype)
+            esize = dtype.itemsize
             if sizes:
                 row = math.prod(sizes[1:]) * esize
                 r0, nrows = offsets[0], lengths[0]

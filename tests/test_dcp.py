@@ -446,3 +446,25 @@ def test_truncated_file_raises(tmp_dir: Path) -> None:
     with pytest.raises(CheckpointException) as info:
         _load({"a": torch.zeros(10000)}, AioReader(tmp_dir))
     assert f"{data} is 4096 bytes" in repr(info.value.failures), info.value.failures
+
+
+def test_bench_dcp_smoke(tmp_dir: Path) -> None:
+    """benchmarks/bench_dcp.py at a tiny size, 1 and 2 ranks: a table, no files left."""
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_dcp.py"), "--dir",
+                           str(tmp_dir), "--layers", "1", "--hidden", "16", "--repeat", "1",
+                           "--ranks", "1,2"], capture_output=True, text=True, timeout=300,
+                          env=_env(), check=False)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "10^9 bytes per second" in out and "aioswap/other" in out, out
+    for method in ("aioswap", "stock", "stock, N threads"):
+        for ranks in (1, 2):
+            line = [x for x in out.splitlines()
+                    if x.startswith(method + " ") and x[18:24].strip() == str(ranks)]
+            assert len(line) == 1, (method, ranks, out)
+            figures = [float(v) for v in line[0][24:].replace("(", " ").replace(")", " ")
+                       .replace("-", " ").split()]
+            assert len(figures) == 8 and all(v >= 0 for v in figures), line
+            if method == "aioswap":
+                assert figures[-2:] == [1.0, 1.0]
+    assert list(tmp_dir.iterdir()) == []
