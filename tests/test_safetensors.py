@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import struct
 import subprocess
 import sys
@@ -25,6 +26,17 @@ except ImportError:
     st = None
 
 needs_st = pytest.mark.skipif(st is None, reason="the safetensors package is not installed")
+
+
+def _can_lock(nbytes: int = 256 << 20) -> bool:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return os.geteuid() == 0 or soft == resource.RLIM_INFINITY or soft >= nbytes
+
+
+needs_lock = pytest.mark.skipif(not _can_lock(), reason="RLIMIT_MEMLOCK too small to pin")
+# Without enough RLIMIT_MEMLOCK loads fall back to unlocked memory with one warning; the
+# results are the same, so that warning is not an error here.
+pytestmark = pytest.mark.filterwarnings("ignore::aioswap.pinned.PinnedMemoryWarning")
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_safetensors.py"
 
 # every torch dtype the format holds here (float8 / uint16.. / float4 where torch has them)
@@ -141,6 +153,7 @@ def test_many_groups_and_slots(tmp_dir: Path, monkeypatch: pytest.MonkeyPatch) -
     assert_same(ast.load(p.read_bytes()), sd)
 
 
+@needs_lock
 def test_loaded_tensors_are_pinned_own_storages_writable(tmp_dir: Path) -> None:
     sd = {"w": rand((64, 64), torch.float32), "b": rand((64,), torch.float32),
           "i": rand((3,), torch.int64)}
@@ -166,6 +179,7 @@ def test_not_pinned_past_the_budget(tmp_dir: Path) -> None:
     assert not any(pinned.is_pinned(t) for t in got.values())
 
 
+@needs_lock
 def test_direct_io_through_a_given_handle(tmp_dir: Path) -> None:
     sd = {"w": rand((1024, 257), torch.float32), "b": rand((7,), torch.uint8)}
     p = tmp_dir / "d.safetensors"
