@@ -16,17 +16,18 @@ Reading: the header is checked completely before any memory is allocated for the
 known dtypes, non-negative integer shapes and offsets, ``end - begin`` equal to the element
 count times the element size, offsets inside the file, exact coverage. Any violation raises
 :class:`SafetensorsError` naming the file and what is wrong. Then the data region is read with
-one batched submission: groups of consecutive tensors (about 64 MiB each) get one page-locked,
-page-aligned buffer apiece, holding the group's bytes from the 4096-aligned file offset before
-them, so every read is ``O_DIRECT`` straight into the destination; all reads are submitted
-with ``async_op=True`` before the first is waited for, so later groups' buffers are allocated
-(page faults, ``mlock``) while earlier groups are read. Each tensor is a view of its group's
+one batched submission: groups of consecutive tensors (4 MiB for the first, doubling up to
+64 MiB) get one page-locked, page-aligned buffer apiece, holding the group's bytes from the
+4096-aligned file offset before them, so every read is ``O_DIRECT`` straight into the
+destination; all reads are submitted with ``async_op=True`` before the first is waited for,
+so later groups' buffers are allocated (page faults, ``mlock``) while earlier groups are
+read. Each tensor is a view of its group's
 buffer with a storage of its own (``torch.frombuffer``): tensors never appear to share memory
 (``safetensors.torch.save_file`` accepts them again), they are reported pinned by
 :func:`aioswap.pinned.is_pinned`, and a group's memory is freed when its last tensor goes.
 
 Writing: the header (compact JSON, spaces up to a multiple of 8 bytes, tensors ordered by
-alignment then name, as ``safetensors`` writes them) and the tensors' bytes are staged
+dtype alignment then name: the bytes ``safetensors`` writes) and the tensors' bytes are staged
 through a ring of page-locked 16 MiB slots written at aligned file offsets with ``O_DIRECT``,
 the copy into one slot overlapping the writes of the others; then fsync, and the temporary
 file is renamed over ``filename`` (a crash never leaves a half-written checkpoint there).
