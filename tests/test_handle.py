@@ -479,47 +479,6 @@ def test_buffered_fallback_warns_once(ramfs):
     assert f1.read_bytes() == _bytes_of(t) == f2.read_bytes()
 
 
-# ---------------------------------------------------------------------------- compat
-
-
-def test_deepnvme_compat(tmp_path):
-    f = str(tmp_path / "ds.bin")
-    h = deepnvme.aio_handle()
-    try:
-        assert (h.get_block_size(), h.get_queue_depth(), h.get_single_submit(),
-                h.get_overlap_events(), h.get_intra_op_parallelism()) == (
-                    1048576, 128, False, False, 1)
-        assert h.get_alignment() > 0
-        t = h.new_cpu_locked_tensor(MiB, torch.empty(0, dtype=torch.float16))
-        assert t.dtype == torch.float16 and h.is_pinned(t)
-        t.copy_(torch.randn(MiB).half())
-        assert h.sync_pwrite(t, f) == 1
-        out = torch.empty_like(t)
-        assert h.sync_pread(out, f) == 1 and torch.equal(out, t)
-        assert h.async_pwrite(t, f, 0) == 0
-        assert h.wait() == 1
-        assert h.wait() == 0
-        fd = os.open(f, os.O_RDWR)
-        assert h.async_pwrite(t, fd) == 0
-        assert h.wait() == 1
-        os.close(fd)
-        assert h.async_pread(out, f) == 0 and h.wait() == 1
-        assert h.read(out, f, True) == 0 and h.write(t, f, True, 0) == 0
-        assert h.pread(out, f, True, False) == 1
-        assert h.pwrite(t, f, False, True, 0) == 0 and h.wait() == 1
-        assert h.pwrite(t, f, True, True, 0) == 0 and h.wait() == 1     # validated after
-        assert h.pread(out, f, True, True) == 0
-        assert h.handle.wait() == 1          # the read is done, its validation still queued
-        out.fill_(0)          # the buffer no longer matches the file: validation must fail
-        with pytest.raises(ValueError, match="validation failed"):
-            h.wait()
-        with pytest.raises(ShortReadError):
-            h.sync_pread(torch.empty(2 * MiB, dtype=torch.float16), f)
-        assert h.free_cpu_locked_tensor(t) is True
-    finally:
-        h.close()
-
-
 def test_handle_from_config():
     cfg = aioswap.AioConfig(block_size=2 * MiB, queue_depth=16, intra_op_parallelism=2,
                             single_submit=True, overlap_events=False)
