@@ -389,6 +389,12 @@ class AioWriter(FileSystemWriter):
         self._handle = handle
         self._staged: Any = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # for async_save in a checkpoint process: handles and staged memory stay here
+        state = self.__dict__.copy()
+        state.update(_handle=None, _staged=None)
+        return state
+
     # -- planning ---------------------------------------------------------------------------
     def _token(self) -> str:
         return self.save_id.replace("-", "")[:8]
@@ -636,6 +642,11 @@ class AioReader(FileSystemReader):
         self._handle = handle
         self._staging_bytes = int(staging_bytes)
         self._layout: dict[MetadataIndex, tuple[int, tuple[int, ...], torch.dtype]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_handle"] = None
+        return state
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:

@@ -339,6 +339,7 @@ def _random_state() -> dict[str, Any]:
         "bf16": torch.randn(4097, generator=g).to(torch.bfloat16),
         "bool": torch.rand(777, generator=g) > 0.5,
         "big": torch.randn(3 << 18, generator=g),
+        "view": torch.randn(500, 64, generator=g)[100:300, 8:40],     # a window of a storage
         "raw": os.urandom(3000),
         "meta": {"epoch": 3, "names": ["a", "b"]},
     }
@@ -468,3 +469,58 @@ def test_bench_dcp_smoke(tmp_dir: Path) -> None:
             if method == "aioswap":
                 assert figures[-2:] == [1.0, 1.0]
     assert list(tmp_dir.iterdir()) == []
+
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int32,
+          torch.complex64, torch.bool, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dtypes_and_block_boundaries(tmp_dir: Path, dtype: torch.dtype) -> None:
+    """Tensors of every size class around the 4096-byte block (data, tail, glue) and many
+    dtypes, next to each other in one file: both readers give back the bytes."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    sizes = [1, 7, 4095, 4096, 4097, 8191, 3 * 4096 + 5, 1 << 16]
+    sd = {}
+    for i, nbytes in enumerate(sizes):
+        raw = torch.frombuffer(bytearray(os.urandom(max(item, nbytes // item * item))),
+                               dtype=torch.uint8)
+        if dtype == torch.bool:
+            raw = raw % 2
+        sd[f"t{i}"] = raw.view(dtype)
+    _save(sd, AioWriter(tmp_dir))
+    for reader in (AioReader(tmp_dir), FileSystemReader(tmp_dir)):
+        _assert_same(_load({k: torch.zeros_like(v) for k, v in sd.items()}, reader), sd)
+
+
+FULL_DISK = """
+import os, resource, signal, sys, warnings
+import torch
+import torch.distributed.checkpoint as dcp
+from aioswap.dcp import AioReader, AioWriter
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # EFBIG instead of a signal, like ENOSPC
+d = sys.argv[1]
+a = {"w": torch.arange(1000.0)}
+dcp.save(a, storage_writer=AioWriter(d), no_dist=True)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+try:
+    dcp.save({"w": torch.randn(1 << 20)}, storage_writer=AioWriter(d), no_dist=True)
+except BaseException as exc:
+    print("raised", type(exc).__name__, "File too large" in repr(exc) or repr(exc)[:300])
+else:
+    print("no error")
+got = {"w": torch.zeros(1000)}
+dcp.load(got, storage_reader=AioReader(d), no_dist=True)
+print("previous intact", torch.equal(got["w"], a["w"]))
+"""
+
+
+def test_full_disk_keeps_previous(tmp_dir: Path) -> None:
+    """A save that hits the file size limit (EFBIG, as a full disk gives ENOSPC) raises and
+    leaves the committed checkpoint in place."""
+    done = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_dir)], capture_output=True,
+                          text=True, timeout=120, env=_env(), check=False)
+    assert done.returncode == 0, done.stderr
+    assert "raised CheckpointException True" in done.stdout, done.stdout
+    assert "previous intact True" in done.stdout, done.stdout
