@@ -295,8 +295,10 @@ class _ReadPlan:
     flat: torch.Tensor | None = None       # contiguous host bytes of dest (hashed as landed)
     nread: int = 0
     resized: torch.UntypedStorage | None = None
+    pin: bool = False                      # fresh page-locked memory
     pieces: list[tuple[concurrent.futures.Future[int], int, int]] = field(
         default_factory=list)
+    ready: threading.Event = field(default_factory=threading.Event)   # reads submitted
     error: BaseException | None = None
 
 
@@ -471,6 +473,8 @@ class TensorSwapper:
         self._staging = _ByteBudget(max(1, cap))
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_inflight, thread_name_prefix="aioswap-swap")
+        self._alloc_lanes = max(1, min(4, (os.cpu_count() or 1)))
+        self._allocators: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
 
     @classmethod
@@ -767,6 +771,12 @@ class TensorSwapper:
         return Entry(name, fname, 0, nbytes, _dtype_name(t.dtype), shape, stride, soff,
                      digest, self._algo if digest is not None else None, seq)
 
+    def _release_staging(self, n: int) -> Callable[[Any], None]:
+        """A done-callback that gives ``n`` staging bytes back."""
+        def done(_: Any) -> None:
+            self._staging.release(n)
+        return done
+
     def _write_packs(self, jobs: list[_WriteJob], what: str) -> Change:
         """Write ``jobs`` into new pack files with one batch of requests; fsync each file.
 
@@ -816,8 +826,7 @@ class TensorSwapper:
                             raise
                         assert isinstance(fut, concurrent.futures.Future)
                         if staged:
-                            fut.add_done_callback(
-                                lambda _f, s=staged: self._staging.release(s))
+                            fut.add_done_callback(self._release_staging(staged))
                         futs.append(fut)
                     if digest is None and self._algo is not None:
                         # hashed while this and the earlier writes are in flight
@@ -1016,7 +1025,7 @@ class TensorSwapper:
             if p.shared is None and not p.fut.done():
                 p.fut.set_exception(exc)
 
-    def _allocate(self, p: _ReadPlan, pin: bool, budget: list[int]) -> None:
+    def _allocate(self, p: _ReadPlan) -> None:
         """Choose and make the destination of ``p`` (just before its read is submitted)."""
         import torch
         e = p.entry
@@ -1035,11 +1044,8 @@ class TensorSwapper:
         else:
             padded = _round_up(e.nbytes)
             device = p.device
-            cpu = device is None or torch.device(device).type == "cpu"
-            if cpu and e.nbytes and (pin or padded <= budget[0]):
+            if p.pin:
                 from aioswap import pinned
-                if not pin:
-                    budget[0] -= padded
                 buf = pinned.empty(padded, torch.uint8, strict=False)
                 target = buf[:e.nbytes].view(dtype).view(e.shape)
                 if e.offset + padded <= p.file_size and e.offset % PACK_ALIGN == 0:
@@ -1057,7 +1063,7 @@ class TensorSwapper:
         if p.flat is None and dest.is_contiguous() and not dest.is_cuda:
             p.flat = dest.reshape(-1).view(torch.uint8)
 
-    def _submit(self, p: _ReadPlan, fd: int, verify: bool, futs: list[Any]) -> None:
+    def _submit(self, p: _ReadPlan, fd: int, verify: bool) -> None:
         """Queue the read(s) of ``p``; large verified reads in chunks hashed as they land."""
         e = p.entry
         if e.nbytes == 0:
@@ -1070,13 +1076,18 @@ class TensorSwapper:
                 k = min(step, p.nread - s)
                 f = self._handle.pread(p.flat[s:s + k], fd, e.offset + s, async_op=True)
                 assert isinstance(f, concurrent.futures.Future)
-                futs.append(f)
                 p.pieces.append((f, s, min(k, e.nbytes - s)))
         else:
             f = self._handle.pread(p.dest, fd, e.offset, nbytes=e.nbytes, async_op=True)
             assert isinstance(f, concurrent.futures.Future)
-            futs.append(f)
             p.pieces.append((f, 0, e.nbytes))
+
+    def _alloc_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._allocators is None:
+                self._allocators = concurrent.futures.ThreadPoolExecutor(
+                    self._alloc_lanes, thread_name_prefix="aioswap-swap-alloc")
+            return self._allocators
 
     def _check_piece_sums(self, p: _ReadPlan, verify: bool) -> None:
         e = p.entry
@@ -1103,27 +1114,52 @@ class TensorSwapper:
     def _execute(self, plans: list[_ReadPlan], fds: dict[str, int], verify: bool, pin: bool,
                  budget: int) -> None:
         """Run a batch of reads: allocate and submit all, verify each as it lands, finish."""
-        futs: list[concurrent.futures.Future[int]] = []
-        left = [budget]
+        import torch
+        active = [p for p in plans if p.shared is None]
+        left = budget
+        for p in active:        # who gets page-locked memory: decided in order, up front
+            e = p.entry
+            if (p.restore is None and p.out is None and e.nbytes
+                    and (p.device is None or torch.device(p.device).type == "cpu")):
+                padded = _round_up(e.nbytes)
+                if pin or padded <= left:
+                    p.pin = True
+                    left -= 0 if pin else padded
+
+        def prepare(group: list[_ReadPlan]) -> None:
+            for p in group:
+                try:
+                    self._allocate(p)
+                    self._submit(p, fds[p.entry.file], verify)
+                except Exception as exc:        # this tensor fails; the others go on
+                    p.error = exc
+                finally:
+                    p.ready.set()
+
+        # Fresh memory is faulted in (zeroed, or locked) as it is allocated; several threads
+        # do that, each submitting its tensors' reads as soon as their memory is there, so
+        # the faults run in parallel with each other and with the reads in flight.
+        lanes = min(self._alloc_lanes, len(active))
+        groups: list[concurrent.futures.Future[None]] = []
         first: BaseException | None = None
         try:
             try:
-                for p in plans:
-                    if p.shared is not None:
-                        continue
-                    try:
-                        self._allocate(p, pin, left)
-                        self._submit(p, fds[p.entry.file], verify, futs)
-                    except Exception as exc:        # this tensor fails; the others go on
-                        p.error = exc
-                for p in plans:
-                    if p.shared is None and p.error is None:
+                if lanes > 1:
+                    groups = [self._alloc_pool().submit(prepare, active[j::lanes])
+                              for j in range(lanes)]
+                else:
+                    prepare(active)
+                for p in active:
+                    p.ready.wait()
+                    if p.error is None:
                         try:
                             self._check_piece_sums(p, verify)
                         except Exception as exc:
                             p.error = exc
             finally:
-                concurrent.futures.wait(futs)   # never leave the kernel writing into dest
+                concurrent.futures.wait(groups)
+                # never leave the kernel writing into memory handed back
+                concurrent.futures.wait([f for p in active for f, _, _ in p.pieces])
                 for fd in fds.values():
                     os.close(fd)
         except BaseException as exc:            # a signal: every request has finished
@@ -1540,6 +1576,8 @@ class TensorSwapper:
                 break
             concurrent.futures.wait(batch)
         self._pool.shutdown(wait=True)
+        if self._allocators is not None:
+            self._allocators.shutdown(wait=True)
         try:
             if self._own_handle:
                 self._handle.close()

@@ -1,23 +1,31 @@
 #!/usr/bin/env python3
-"""TensorSwapper against torch.save/torch.load and against one direct transfer, same run.
+"""TensorSwapper state dicts against safetensors, torch.save/load and one direct transfer.
 
-A state dict of ``--tensors`` float32 tensors, ``--size`` bytes in all, is
+The state dict is GPT-like with Adam state: ``--layers`` layers of hidden size ``--hidden``
+(q/k/v/o weights and biases, fc1/fc2 weights (``--ffn`` x hidden) and biases, two layer norms'
+weight and bias), each tensor as ``--states`` copies (param, adam m, adam v), float32, random
+bytes. ``--layers 12 --hidden 1024`` is the 576-tensor, 1.69 GiB (1.81 GB) case, tensors from
+4 KiB to 16 MiB; the default is tiny, for the smoke test.
 
-* written and read as ONE transfer of the same total size from page-locked memory with
-  ``AioHandle.pwrite(fsync=True)`` / ``pread``: the ceiling of this disk and handle;
-* swapped out and in with ``TensorSwapper.swap_out_state_dict`` / ``swap_in_state_dict``
-  (fsync, manifest commit and checksum included; ``swap_in`` verifies the checksum), once from
-  plain CPU tensors (swapped in to new plain tensors: the usual case, staged through the
-  handle's bounce pool) and once from page-locked tensors (``aioswap.pinned.empty``, swapped
-  in to page-locked tensors: direct I/O);
-* saved with ``torch.save`` to a file, flushed and fsynced, and loaded with ``torch.load``.
+Methods, in one run, alternating (the starting method rotates each round):
 
-Before every read the page cache of the files is dropped (``posix_fadvise(DONTNEED)`` after
-fsync, or also ``/proc/sys/vm/drop_caches`` with ``--drop-caches sysctl``, as root), so reads
-come from the disk. Rounds alternate between methods; the best round of each is reported
-(GB/s = 10^9 bytes/s), with the ratios swap/torch and swap/direct.
+* aioswap: ``TensorSwapper.swap_out_state_dict`` (packed, fsynced, manifest committed) /
+  ``swap_in_state_dict`` (checksums verified; fresh tensors page-locked within the default
+  budget), swapper opened and closed inside the timing; also loaded with ``verify=False`` to
+  show what verification costs;
+* safetensors (when importable): ``save_file`` + fsync / ``load_file``;
+* torch: ``torch.save`` + fsync / ``torch.load(weights_only=True)``;
+* direct: the same bytes as one page-locked buffer, ``AioHandle.pwrite(fsync=True)`` / ``pread``
+  (the ceiling of this disk and handle).
 
-    python benchmarks/bench_swap.py --dir /nvme --size 1G --tensors 64
+Before every load, the files are fsynced and dropped from the page cache
+(``posix_fadvise(DONTNEED)``; ``--drop-caches sysctl`` also writes ``/proc/sys/vm/drop_caches``,
+as root). After every load, one byte of every page of every tensor is read (inside the
+timing), so lazily mapped loads pay for their reads; then the bytes are compared (outside it).
+Figures: median over ``--repeat`` rounds, GB/s = 10^9 bytes/s, ratios aioswap/other (bigger is
+better: above 1, aioswap is faster).
+
+    python benchmarks/bench_swap.py --dir /nvme --layers 12 --hidden 1024 --repeat 3
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -35,12 +44,15 @@ import torch
 import aioswap
 from aioswap import pinned
 from aioswap.cli import drop_cache as _drop_cache
-from aioswap.cli import format_size, parse_size
+from aioswap.cli import format_size
+from aioswap.swap import TensorSwapper
 
 try:
-    from aioswap import TensorSwapper
-except ImportError:             # exported from aioswap.swap only
-    from aioswap.swap import TensorSwapper
+    import safetensors.torch as st_torch
+except ImportError:             # optional
+    st_torch = None
+
+GB = 10**9
 
 
 def drop_cache(paths: list[str], how: str) -> None:
@@ -53,188 +65,271 @@ def drop_cache(paths: list[str], how: str) -> None:
             f.write("1\n")
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    r = fn()
-    return time.perf_counter() - t0, r
+def files_under(d: str) -> list[str]:
+    return [os.path.join(d, f) for f in sorted(os.listdir(d))
+            if os.path.isfile(os.path.join(d, f))]
 
 
-def make_state_dict(total: int, count: int, locked: bool) -> dict[str, torch.Tensor]:
-    """``count`` float32 tensors of about ``total / count`` bytes each, random contents."""
-    per = max(1, total // count // 4)
-    noise = torch.frombuffer(bytearray(os.urandom(min(per * 4, 16 << 20))), dtype=torch.uint8)
-    sd = {}
-    for i in range(count):
-        n = per if i < count - 1 else max(1, (total - per * 4 * (count - 1)) // 4)
-        t = pinned.empty(n, torch.float32) if locked else torch.empty(n, dtype=torch.float32)
-        raw = t.view(torch.uint8)
-        for s in range(0, raw.numel(), noise.numel()):
-            k = min(noise.numel(), raw.numel() - s)
-            raw[s:s + k].copy_(noise[:k])
-        raw[:8].copy_(torch.tensor([i] * 8, dtype=torch.uint8))    # distinct tensors
-        cols = 1024 if n % 1024 == 0 else 1
-        sd[f"layer{i}.weight"] = t.view(-1, cols)
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_state_dict(layers: int, hidden: int, ffn: int, states: int) -> dict[str, torch.Tensor]:
+    """The GPT-like dict with Adam state; random bytes, every tensor distinct."""
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    for i in range(layers):
+        p = f"layers.{i}."
+        for w in ("q", "k", "v", "o"):
+            shapes += [(p + f"attn.{w}.weight", (hidden, hidden)), (p + f"attn.{w}.bias",
+                                                                   (hidden,))]
+        shapes += [(p + "mlp.fc1.weight", (ffn, hidden)), (p + "mlp.fc1.bias", (ffn,)),
+                   (p + "mlp.fc2.weight", (hidden, ffn)), (p + "mlp.fc2.bias", (hidden,))]
+        for ln in ("ln1", "ln2"):
+            shapes += [(p + f"{ln}.weight", (hidden,)), (p + f"{ln}.bias", (hidden,))]
+    kinds = ["param", "adam_m", "adam_v"][:states] + [f"state{k}" for k in range(3, states)]
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8, generator=gen)
+    sd: dict[str, torch.Tensor] = {}
+    pos = 0
+    for kind in kinds:
+        for name, shape in shapes:
+            t = torch.empty(shape, dtype=torch.float32)
+            raw = t.view(-1).view(torch.uint8)
+            for s in range(0, raw.numel(), noise.numel()):
+                k = min(noise.numel(), raw.numel() - s)
+                start = (pos + s) % (noise.numel() - k + 1)
+                raw[s:s + k].copy_(noise[start:start + k])
+            raw[:4].copy_(torch.tensor(list(len(sd).to_bytes(4, "little")), dtype=torch.uint8))
+            pos += 4099
+            sd[f"{kind}.{name}"] = t
     return sd
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Byte-exact equality (random bytes as float32 include NaNs, which == rejects)."""
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def nbytes_of(sd: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in sd.values())
 
 
-def run_direct(h: aioswap.AioHandle, buf: torch.Tensor, out: torch.Tensor, work: str,
-               drop: str) -> tuple[float, float]:
-    path = os.path.join(work, "direct.bin")
-    w, _ = timed(lambda: h.pwrite(buf, path, fsync=True))
-    drop_cache([path], drop)
-    r, _ = timed(lambda: h.pread(out, path))
-    if not torch.equal(buf, out):
-        raise SystemExit("direct transfer read back different bytes")
-    os.unlink(path)
-    return w, r
+def touch(sd: dict[str, torch.Tensor]) -> int:
+    """Read one byte of every page of every tensor."""
+    s = 0
+    for t in sd.values():
+        if t.numel():
+            s += int(t.reshape(-1).view(torch.uint8)[::4096].sum())
+    return s
 
 
-def run_swap(h: aioswap.AioHandle, sd: dict[str, torch.Tensor], work: str, drop: str,
-             locked: bool, verify: bool) -> tuple[float, float]:
-    d = os.path.join(work, "swap-pinned" if locked else "swap")
-    with TensorSwapper(d, handle=h, verify=verify) as sw:
-        w, _ = timed(lambda: sw.swap_out_state_dict("bench/", sd))
-        drop_cache([sw.info(n).file for n in sw.names()], drop)
-        if locked:      # page-locked destinations: O_DIRECT straight into them
-            outs = {k: pinned.empty(v.shape, v.dtype) for k, v in sd.items()}
-            r, got = timed(lambda: sw.swap_in_state_dict("bench/", state_dict=outs))
-        else:           # the usual case: swap_in allocates plain tensors
-            r, got = timed(lambda: sw.swap_in_state_dict("bench/"))
-        for k, v in sd.items():
-            if not same(got[k], v):
-                raise SystemExit(f"TensorSwapper read back different bytes for {k}")
-        del got
-        sw.destroy()
-    return w, r
-
-
-def run_torch(sd: dict[str, torch.Tensor], work: str, drop: str) -> tuple[float, float]:
-    path = os.path.join(work, "torch.pt")
-
-    def save() -> None:
-        with open(path, "wb") as f:
-            torch.save(sd, f)
-            f.flush()
-            os.fsync(f.fileno())
-
-    w, _ = timed(save)
-    drop_cache([path], drop)
-    r, got = timed(lambda: torch.load(path, weights_only=True))
+def same(sd: dict[str, torch.Tensor], got: dict[str, torch.Tensor], who: str) -> None:
+    if list(got) != list(sd):
+        raise SystemExit(f"{who}: keys differ")
     for k, v in sd.items():
-        if not same(got[k], v):
-            raise SystemExit(f"torch.load read back different bytes for {k}")
-    del got
-    os.unlink(path)
-    return w, r
+        g = got[k]
+        if g.shape != v.shape or not torch.equal(g.reshape(-1).view(torch.uint8),
+                                                 v.reshape(-1).view(torch.uint8)):
+            raise SystemExit(f"{who} read back different bytes for {k}")
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    r = fn()
+    return time.perf_counter() - t0, r
+
+
+class Methods:
+    """Each method: one save and one load of ``sd`` in ``work``; returns (save_s, load_s)."""
+
+    def __init__(self, h: aioswap.AioHandle, sd: dict[str, torch.Tensor], work: str,
+                 drop: str) -> None:
+        self.h, self.sd, self.work, self.drop = h, sd, work, drop
+        total = nbytes_of(sd)
+        self.one = pinned.empty(total, torch.uint8)
+        self.one_out = pinned.empty(total, torch.uint8)
+        off = 0
+        for v in sd.values():
+            n = v.numel() * v.element_size()
+            self.one[off:off + n].copy_(v.reshape(-1).view(torch.uint8))
+            off += n
+
+    def _aioswap(self, verify: bool) -> tuple[float, float]:
+        d = os.path.join(self.work, "aioswap")
+
+        def save() -> None:
+            with TensorSwapper(d, handle=self.h) as sw:
+                sw.swap_out_state_dict("", self.sd)
+
+        def load() -> dict[str, torch.Tensor]:
+            with TensorSwapper(d, handle=self.h, verify=verify) as sw:
+                got = sw.swap_in_state_dict("")
+            touch(got)
+            return got
+
+        w, _ = timed(save)
+        drop_cache(files_under(d), self.drop)
+        r, got = timed(load)
+        same(self.sd, got, "aioswap")
+        del got
+        with TensorSwapper(d, handle=self.h) as sw:
+            sw.destroy()
+        return w, r
+
+    def aioswap(self) -> tuple[float, float]:
+        return self._aioswap(True)
+
+    def aioswap_noverify(self) -> tuple[float, float]:
+        return self._aioswap(False)
+
+    def safetensors(self) -> tuple[float, float]:
+        assert st_torch is not None
+        path = os.path.join(self.work, "model.safetensors")
+
+        def save() -> None:
+            st_torch.save_file(self.sd, path)
+            fsync_path(path)
+
+        def load() -> dict[str, torch.Tensor]:
+            got = st_torch.load_file(path)
+            touch(got)
+            return got
+
+        w, _ = timed(save)
+        drop_cache([path], self.drop)
+        r, got = timed(load)
+        same(self.sd, {k: got[k] for k in self.sd}, "safetensors")
+        del got
+        os.unlink(path)
+        return w, r
+
+    def torch(self) -> tuple[float, float]:
+        path = os.path.join(self.work, "model.pt")
+
+        def save() -> None:
+            with open(path, "wb") as f:
+                torch.save(self.sd, f)
+                f.flush()
+                os.fsync(f.fileno())
+
+        def load() -> dict[str, torch.Tensor]:
+            got = torch.load(path, weights_only=True)
+            touch(got)
+            return got
+
+        w, _ = timed(save)
+        drop_cache([path], self.drop)
+        r, got = timed(load)
+        same(self.sd, got, "torch.load")
+        del got
+        os.unlink(path)
+        return w, r
+
+    def direct(self) -> tuple[float, float]:
+        path = os.path.join(self.work, "direct.bin")
+        w, _ = timed(lambda: self.h.pwrite(self.one, path, fsync=True))
+        drop_cache([path], self.drop)
+        r, _ = timed(lambda: (self.h.pread(self.one_out, path), touch({"x": self.one_out})))
+        if not torch.equal(self.one, self.one_out):
+            raise SystemExit("direct transfer read back different bytes")
+        os.unlink(path)
+        return w, r
+
+
+LABELS = {"aioswap": "aioswap swap_out/in_state_dict",
+          "aioswap_noverify": "aioswap, load with verify=False",
+          "safetensors": "safetensors save_file/load_file",
+          "torch": "torch.save/torch.load(weights_only)",
+          "direct": "direct: 1 transfer, locked (ceiling)"}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", default=".", help="directory on the disk to measure")
-    p.add_argument("--size", type=parse_size, default=parse_size("1G"),
-                   help="total bytes of the state dict (default 1G)")
-    p.add_argument("--tensors", type=int, default=64, help="tensors in the state dict")
-    p.add_argument("--repeat", type=int, default=1, help="rounds; the best is reported")
-    p.add_argument("--block-size", type=parse_size, default=parse_size("1M"))
+    p.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
+    p.add_argument("--ffn", type=int, default=None, help="fc1/fc2 width (default 4 x hidden)")
+    p.add_argument("--states", type=int, default=3,
+                   help="copies of every tensor: param, adam m, adam v (default 3)")
+    p.add_argument("--repeat", type=int, default=1, help="rounds; the median is reported")
+    p.add_argument("--block-size", type=int, default=1 << 20)
     p.add_argument("--queue-depth", type=int, default=32)
-    p.add_argument("--intra-op-parallelism", type=int, default=1,
-                   help="handle lanes; each lane adds a bounce stream for plain tensors")
-    p.add_argument("--no-verify", action="store_true", help="swap_in without checksum checks")
+    p.add_argument("--methods", default="aioswap,aioswap_noverify,safetensors,torch,direct",
+                   help="comma-separated subset of: " + ", ".join(LABELS))
     p.add_argument("--drop-caches", choices=["fadvise", "sysctl"], default="fadvise",
                    help="fadvise: posix_fadvise(DONTNEED) per file after fsync; sysctl: also "
                         "echo 1 > /proc/sys/vm/drop_caches (root)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    if a.tensors < 1:
-        p.error("--tensors must be >= 1")
+    for flag in ("layers", "hidden", "states", "repeat"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag} must be >= 1")
+    names = [m.strip() for m in a.methods.split(",") if m.strip()]
+    unknown = [m for m in names if m not in LABELS]
+    if unknown:
+        p.error(f"unknown method(s) {unknown}; known: {', '.join(LABELS)}")
+    if st_torch is None and "safetensors" in names:
+        names.remove("safetensors")
+    ffn = a.ffn or 4 * a.hidden
     os.makedirs(a.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="aioswap-bench-swap-", dir=a.dir)
-    drop_how = ("posix_fadvise(POSIX_FADV_DONTNEED) after fsync" if a.drop_caches == "fadvise"
-                else "posix_fadvise(DONTNEED) + echo 1 > /proc/sys/vm/drop_caches")
 
     def log(msg: str) -> None:
         if not a.json:
             print(msg, file=sys.stderr, flush=True)
 
+    times: dict[str, list[tuple[float, float]]] = {m: [] for m in names}
     try:
         log("preparing tensors...")
-        plain = make_state_dict(a.size, a.tensors, locked=False)
-        locked = {k: pinned.empty(v.shape, v.dtype) for k, v in plain.items()}
-        for k, v in plain.items():
-            locked[k].copy_(v)
-        total = nbytes_of(plain)
-        one = pinned.empty(total, torch.uint8)
-        off = 0
-        for v in plain.values():
-            n = v.numel() * v.element_size()
-            one[off:off + n].copy_(v.reshape(-1).view(torch.uint8))
-            off += n
-        one_out = pinned.empty(total, torch.uint8)
-
-        methods: dict[str, Callable[[], tuple[float, float]]] = {}
-        verify = not a.no_verify
-        with aioswap.AioHandle(block_size=a.block_size, queue_depth=a.queue_depth,
-                               intra_op_parallelism=a.intra_op_parallelism) as h:
-            methods["direct"] = lambda: run_direct(h, one, one_out, work, a.drop_caches)
-            methods["swap"] = lambda: run_swap(h, plain, work, a.drop_caches, False, verify)
-            methods["swap_pinned"] = lambda: run_swap(h, locked, work, a.drop_caches, True,
-                                                      verify)
-            methods["torch"] = lambda: run_torch(plain, work, a.drop_caches)
-            best: dict[str, list[float]] = {}
+        sd = make_state_dict(a.layers, a.hidden, ffn, a.states)
+        total = nbytes_of(sd)
+        sizes = [v.numel() * v.element_size() for v in sd.values()]
+        with aioswap.AioHandle(block_size=a.block_size, queue_depth=a.queue_depth) as h:
+            ms = Methods(h, sd, work, a.drop_caches)
             for rnd in range(a.repeat):
-                for name, fn in methods.items():
-                    w, r = fn()
-                    b = best.setdefault(name, [w, r])
-                    b[0], b[1] = min(b[0], w), min(b[1], r)
-                    log(f"round {rnd + 1}/{a.repeat}: {name} write {total / w / 1e9:.2f} GB/s, "
-                        f"read {total / r / 1e9:.2f} GB/s")
+                order = names[rnd % len(names):] + names[:rnd % len(names)]
+                for name in order:
+                    w, r = getattr(ms, name)()
+                    times[name].append((w, r))
+                    log(f"round {rnd + 1}/{a.repeat}: {name}: save {total / w / GB:.2f} GB/s, "
+                        f"load {total / r / GB:.2f} GB/s")
     finally:
         shutil.rmtree(work, ignore_errors=True)     # the temporary directory made above
 
-    labels = {"direct": "direct: 1 transfer, locked (ceiling)",
-              "swap": "TensorSwapper, plain (in: new tensors)",
-              "swap_pinned": "TensorSwapper, locked (in: into locked)",
-              "torch": "torch.save+fsync / torch.load"}
-    res: dict[str, Any] = {"bytes": total, "tensors": a.tensors, "block_size": a.block_size,
-                           "queue_depth": a.queue_depth,
-                           "intra_op_parallelism": a.intra_op_parallelism,
-                           "verify": not a.no_verify, "repeat": a.repeat,
-                           "page_cache": drop_how}
-    for name, (w, r) in best.items():
-        res[name] = {"label": labels[name], "write_s": w, "read_s": r,
-                     "write_gbps": total / w / 1e9, "read_gbps": total / r / 1e9}
-    ratios = {}
-    for sw in ("swap", "swap_pinned"):
-        for ref in ("torch", "direct"):
-            for op in ("write", "read"):
-                ratios[f"{sw}/{ref} {op}"] = (res[sw][f"{op}_gbps"] / res[ref][f"{op}_gbps"])
+    res: dict[str, Any] = {"bytes": total, "tensors": len(sd), "min_tensor": min(sizes),
+                           "max_tensor": max(sizes), "layers": a.layers, "hidden": a.hidden,
+                           "ffn": ffn, "states": a.states, "repeat": a.repeat,
+                           "block_size": a.block_size, "queue_depth": a.queue_depth,
+                           "page_cache": a.drop_caches, "methods": {}}
+    for name in names:
+        w = statistics.median(t[0] for t in times[name])
+        r = statistics.median(t[1] for t in times[name])
+        res["methods"][name] = {"label": LABELS[name], "save_s": w, "load_s": r,
+                                "save_gbps": total / w / GB, "load_gbps": total / r / GB}
+    ratios: dict[str, float] = {}
+    if "aioswap" in names:
+        me = res["methods"]["aioswap"]
+        for other in names:
+            if other != "aioswap":
+                o = res["methods"][other]
+                ratios[f"save vs {other}"] = me["save_gbps"] / o["save_gbps"]
+                ratios[f"load vs {other}"] = me["load_gbps"] / o["load_gbps"]
     res["ratios"] = ratios
     if a.json:
         print(json.dumps(res, indent=2))
         return 0
-    print(f"{format_size(total)} in {a.tensors} tensors of {format_size(total // a.tensors)}, "
-          f"block {format_size(a.block_size)}, queue depth {a.queue_depth}, "
-          f"intra_op_parallelism {a.intra_op_parallelism}, swap_in verify "
-          f"{'off' if a.no_verify else 'on'}, best of {a.repeat}; page cache dropped before "
-          f"reads with {drop_how}; GB/s = 10^9 B/s")
-    print(f"{'method':<42}{'write GB/s':>11}{'read GB/s':>11}")
-    for name in methods:
-        print(f"{labels[name]:<42}{res[name]['write_gbps']:>11.2f}"
-              f"{res[name]['read_gbps']:>11.2f}")
-    for sw in ("swap", "swap_pinned"):
-        print(f"{labels[sw]}: x{ratios[f'{sw}/torch write']:.2f} / "
-              f"x{ratios[f'{sw}/torch read']:.2f} of torch (write/read), "
-              f"x{ratios[f'{sw}/direct write']:.2f} / x{ratios[f'{sw}/direct read']:.2f} of "
-              f"direct")
+    print(f"{len(sd)} tensors ({format_size(min(sizes))} .. {format_size(max(sizes))}), "
+          f"{format_size(total)} ({total / GB:.2f} GB) in all; {a.layers} layers, hidden "
+          f"{a.hidden}, ffn {ffn}, {a.states} states; median of {a.repeat} round(s), methods "
+          f"alternating; page cache dropped before loads ({a.drop_caches}); every page touched "
+          f"after loading; GB/s = 10^9 B/s; ratio = aioswap GB/s / other GB/s (bigger is "
+          f"better)")
+    print(f"{'method':<40}{'save GB/s':>10}{'load GB/s':>10}{'save x':>8}{'load x':>8}")
+    for name in names:
+        m = res["methods"][name]
+        rs = ratios.get(f"save vs {name}")
+        rl = ratios.get(f"load vs {name}")
+        print(f"{m['label']:<40}{m['save_gbps']:>10.2f}{m['load_gbps']:>10.2f}"
+              f"{'' if rs is None else f'{rs:.2f}':>8}{'' if rl is None else f'{rl:.2f}':>8}")
     return 0
 
 
