@@ -722,7 +722,8 @@ def save_file(tensors: Mapping[str, torch.Tensor], filename: PathLike,
             pieces.append(_Piece(len(head) + begin, end - begin, tensors[name]))
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    # O_RDWR: an engine may read back a partial last block around an O_DIRECT write
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     h: AioHandle | None = None
     done = False
     try:
