@@ -44,7 +44,7 @@ DTYPES = sorted(ast._FROM_TORCH, key=str)
 NOT_IN_ST_LOAD = {"F8_E8M0", "F4"}
 
 
-def rand(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+def rand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A tensor of random bytes (any bit pattern, NaNs included)."""
     t = torch.empty(shape, dtype=dtype)
     raw = t.reshape(-1).view(torch.uint8)
@@ -70,13 +70,13 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 
 def every_dtype() -> dict[str, torch.Tensor]:
     sd = {}
-    for i, dt in enumerate(DTYPES):
+    for dt in DTYPES:
         name = str(dt).split(".")[-1]
-        sd[f"{name}.m"] = rand((3, 6), dt, i)
-        sd[f"{name}.scalar"] = rand((), dt, i) if ast._FROM_TORCH[dt].packed == 1 \
-            else rand((1,), dt, i)
-        sd[f"{name}.empty"] = rand((0, 4), dt, i)
-        sd[f"{name}.odd"] = rand((7,), dt, i)
+        sd[f"{name}.m"] = rand((3, 6), dt)
+        sd[f"{name}.scalar"] = rand((), dt) if ast._FROM_TORCH[dt].packed == 1 \
+            else rand((1,), dt)
+        sd[f"{name}.empty"] = rand((0, 4), dt)
+        sd[f"{name}.odd"] = rand((7,), dt)
     return sd
 
 
