@@ -329,17 +329,6 @@ def _drain(h: AioHandle) -> None:
         pass
 
 
-def _referenced_files(metadata_path: Path) -> set[str]:
-    """The data files an existing ``.metadata`` refers to (empty when unreadable)."""
-    try:
-        with open(metadata_path, "rb") as f:
-            md = pickle.load(f)
-        return {info.relative_path for info in md.storage_data.values()
-                if isinstance(info, _StorageInfo)}
-    except Exception:
-        return set()
-
-
 class AioWriter(FileSystemWriter):
     """DCP ``StorageWriter`` that writes the stock file format through an :class:`AioHandle`.
 
@@ -362,7 +351,8 @@ class AioWriter(FileSystemWriter):
     overwrite : bool
         Allow saving where a checkpoint exists. Each save writes files with a fresh name and
         commits by atomically renaming ``.metadata``, so a crash during an overwrite leaves
-        the previous checkpoint loadable; its files are removed after the commit.
+        the previous checkpoint loadable. After the commit, aioswap data files the new
+        metadata does not use are removed (files of other writers are left alone).
     cache_staged_state_dict : bool
         Keep the page-locked copy made by :meth:`stage` for the next ``async_save``.
     handle : AioHandle, optional
@@ -519,18 +509,17 @@ class AioWriter(FileSystemWriter):
             f.flush()
             if self.sync_files:
                 os.fsync(f.fileno())
-        previous = _referenced_files(final)
         os.replace(tmp, final)
         if self.sync_files:
             _fsync_dir(root)
-        self._remove_stale(root, previous, {i.relative_path for i in storage_md.values()},
+        self._remove_stale(root, {i.relative_path for i in storage_md.values()},
                            self.rank if local else None)
 
     @staticmethod
-    def _remove_stale(root: Path, previous: set[str], current: set[str],
-                      rank: int | None) -> None:
-        """Remove data files of the replaced checkpoint and of saves that never committed."""
-        stale = {name for name in previous if "/" not in name and name.endswith(DEFAULT_SUFFIX)}
+    def _remove_stale(root: Path, current: set[str], rank: int | None) -> None:
+        """Remove aioswap data files the new metadata does not use: those of the replaced
+        checkpoint and of saves that never committed (by name; other files are left)."""
+        stale = set()
         for entry in os.listdir(root):
             m = _OWN_FILE.match(entry)
             if m and (rank is None or int(m.group(1)) == rank):
