@@ -282,7 +282,7 @@ class _HandlePool:
     child starts with an empty pool.
     """
 
-    def __init__(self, keep: int = 4) -> None:
+    def __init__(self, keep: int = 2) -> None:
         self._keep = keep
         self._lock = threading.Lock()
         self._free: list[AioHandle] = []

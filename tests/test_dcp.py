@@ -11,10 +11,8 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 import warnings
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
