@@ -26,7 +26,7 @@ from typing import Any
 
 from aioswap.errors import SwapError
 
-__all__ = ["MANIFEST_NAME", "ORPHANS_DIR", "Entry", "Manifest", "SwapDirectory",
+__all__ = ["LOCK_NAME", "MANIFEST_NAME", "ORPHANS_DIR", "Entry", "Manifest", "SwapDirectory",
            "is_data_file"]
 
 _log = logging.getLogger("aioswap")
@@ -359,6 +359,11 @@ class Manifest:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             fd = -1
+        except OSError:
+            if os.path.islink(path):
+                raise SwapError(f"manifest {path!r} is a symbolic link; aioswap never follows "
+                                f"links in a swap directory") from None
+            raise
         if fd < 0:
             self._dir.keep_orphans()
             self._publish(self.entries, self.packs)

@@ -99,7 +99,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union
 
 from aioswap import _checksum
-from aioswap._manifest import MANIFEST_NAME, Change, Entry, Manifest, SwapDirectory
+from aioswap._claims import NameClaims, Released, Releases, storage_key
+from aioswap._manifest import LOCK_NAME, MANIFEST_NAME, Change, Entry, Manifest, SwapDirectory
 from aioswap.config import AioConfig
 from aioswap.errors import ChecksumError, HandleClosedError, SwapError
 from aioswap.handle import AioHandle
@@ -189,13 +190,6 @@ def _add_note(exc: BaseException, note: str) -> None:
         add(note)
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    """Identity of the storage behind ``t`` (stable across ``resize_``)."""
-    st = t.untyped_storage()
-    key = getattr(st, "_cdata", None)
-    return int(key) if isinstance(key, int) else id(st)
-
-
 def current_rank() -> tuple[int, int]:
     """``(rank, local_rank)`` of this process.
 
@@ -256,14 +250,6 @@ class SwapInfo:
 
 
 @dataclass
-class _Released:
-    """A tensor whose storage was freed by ``release=True``, waiting for ``swap_in``."""
-
-    tensor: torch.Tensor
-    storage_nbytes: int
-
-
-@dataclass
 class _WriteJob:
     """One tensor to write into a pack; ``checksum`` given: already known (compaction)."""
 
@@ -285,7 +271,7 @@ class _ReadPlan:
     name: str
     entry: Entry
     out: torch.Tensor | None
-    restore: _Released | None
+    restore: Released | None
     fut: concurrent.futures.Future[torch.Tensor]
     device: _Device = None
     shared: concurrent.futures.Future[torch.Tensor] | None = None  # restore in flight
@@ -452,10 +438,8 @@ class TensorSwapper:
         self._pin_budget = DEFAULT_PIN_BUDGET if pin_budget is None else pin_budget
         self._pack_bytes = pack_bytes
         self._lock = threading.RLock()            # entries, busy, released, futures
-        self._busy: dict[str, threading.Event] = {}
-        self._released: dict[str, _Released] = {}
-        self._released_storages: dict[int, str] = {}      # storage key -> name
-        self._restoring: dict[str, concurrent.futures.Future[Any]] = {}
+        self._claims = NameClaims(self._lock)
+        self._released = Releases()                # guarded by self._lock
         # async futures not yet reported by wait(): pending ones and failed ones (a success
         # drops out when it completes, so a long run that never waits does not grow this)
         self._outstanding: dict[concurrent.futures.Future[Any], None] = {}
@@ -656,9 +640,9 @@ class TensorSwapper:
                     entry = self._write_single(name, t, seq)
                     self._m.commit(Change([entry], [], files=[entry.file]))
                     with self._lock:
-                        self._forget_release(name)
+                        self._released.forget(name)
                         if release:
-                            self._release(name, tensor)
+                            self._released.release(name, tensor)
                     return self.info(name)
                 finally:
                     self._unclaim([name], ev)
@@ -709,30 +693,6 @@ class TensorSwapper:
         if t.is_neg():
             t = t.resolve_neg()
         return t
-
-    def _release(self, name: str, tensor: torch.Tensor) -> None:
-        """Free the storage of a published tensor; called with ``self._lock`` held."""
-        st = tensor.untyped_storage()
-        if tensor.numel() == 0:     # nothing to free, but swap_in restores the same object
-            self._released[name] = _Released(tensor, st.nbytes())
-            return
-        key = _storage_key(tensor)
-        other = self._released_storages.get(key)
-        if (other is not None and other != name) or st.nbytes() == 0:
-            # the storage is already released under another name, which restores it
-            _log.debug("%r not released: its storage is already released as %r", name, other)
-            return
-        self._released[name] = _Released(tensor, st.nbytes())
-        self._released_storages[key] = name
-        st.resize_(0)
-
-    def _forget_release(self, name: str) -> None:
-        """Drop the released tensor of ``name``; called with ``self._lock`` held."""
-        rel = self._released.pop(name, None)
-        if rel is not None:
-            key = _storage_key(rel.tensor)
-            if self._released_storages.get(key) == name:
-                del self._released_storages[key]
 
     def _write_single(self, name: str, t: torch.Tensor, seq: int) -> Entry:
         """Write ``t`` to a new, fsynced file; the checksum runs while the write is in flight."""
@@ -923,16 +883,11 @@ class TensorSwapper:
         """
         self._check_open()
         verify = self._verify if verify is None else bool(verify)
-        names = [n for n, _ in items]
-        while True:
-            with self._lock:
-                self._check_open()
-                waits = [self._busy[n] for n in names if n in self._busy]
-                if not waits:
-                    plans = self._plan_reads(items, device, verify)
-                    break
-            for w in waits:
-                w.wait()
+        def plan() -> list[_ReadPlan]:
+            self._check_open()
+            return self._plan_reads(items, device, verify)
+
+        plans = self._claims.when_free([n for n, _ in items], plan)
         fds: dict[str, int] = {}
         try:
             self._open_files(plans, fds)
@@ -964,7 +919,7 @@ class TensorSwapper:
             fut: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
             plan = _ReadPlan(name, e, out, restore, fut, device)
             if restore is not None:
-                pending = self._restoring.get(name)
+                pending = self._released.restoring(name)
                 if pending is not None:
                     plan.shared = pending
                     plans.append(plan)
@@ -987,7 +942,7 @@ class TensorSwapper:
             plans.append(plan)
         for p in plans:
             if p.shared is None and p.restore is not None:
-                self._restoring[p.name] = p.fut
+                self._released.begin_restore(p.name, p.fut)
         return plans
 
     def _open_files(self, plans: list[_ReadPlan], fds: dict[str, int]) -> None:
@@ -1019,8 +974,7 @@ class TensorSwapper:
         """Fail the futures of plans that will not run."""
         with self._lock:
             for p in plans:
-                if self._restoring.get(p.name) is p.fut:
-                    del self._restoring[p.name]
+                self._released.end_restore(p.name, p.fut)
         for p in plans:
             if p.shared is None and not p.fut.done():
                 p.fut.set_exception(exc)
@@ -1175,11 +1129,10 @@ class TensorSwapper:
                 except Exception as exc:
                     err = exc
             with self._lock:
-                if self._restoring.get(p.name) is p.fut:
-                    del self._restoring[p.name]
+                self._released.end_restore(p.name, p.fut)
                 if err is None and p.restore is not None \
                         and self._released.get(p.name) is p.restore:
-                    self._forget_release(p.name)
+                    self._released.forget(p.name)
             if err is not None:
                 if p.resized is not None:
                     p.resized.resize_(0)    # still released: never hand out unverified data
@@ -1255,7 +1208,7 @@ class TensorSwapper:
             shared: dict[int, str] = {}
             for n, v, _ in items:
                 if v.numel():
-                    first = shared.setdefault(_storage_key(v), n)
+                    first = shared.setdefault(storage_key(v), n)
                     if first != n:
                         raise SwapError(f"swap_out_state_dict with release=True: {n!r} shares "
                                         f"its storage with {first!r} (tied tensors); swap "
@@ -1275,9 +1228,9 @@ class TensorSwapper:
                         self._m.commit(change)
                     with self._lock:
                         for n, tensor, _ in items:
-                            self._forget_release(n)
+                            self._released.forget(n)
                             if release:
-                                self._release(n, tensor)
+                                self._released.release(n, tensor)
                     return names
                 finally:
                     self._unclaim(names, ev)
@@ -1403,7 +1356,7 @@ class TensorSwapper:
             self._m.commit(Change([], list(names)))
             with self._lock:
                 for n in names:
-                    self._forget_release(n)
+                    self._released.forget(n)
         finally:
             self._unclaim(names, ev)
 
@@ -1432,77 +1385,78 @@ class TensorSwapper:
         if not 0 <= threshold <= 1:
             raise ValueError(f"threshold must be within [0, 1], got {threshold}")
         self._check_open()
+        def victims_now() -> dict[str, int]:
+            """Packs to rewrite, with their sizes; called with ``self._lock`` held."""
+            spans: dict[str, int] = {}
+            for e in self._m.entries.values():
+                if e.file in self._m.packs:
+                    spans[e.file] = spans.get(e.file, 0) + _round_up(e.nbytes)
+            return {f: size for f, size in self._m.packs.items()
+                    if spans.get(f, 0) < size and spans.get(f, 0) < threshold * size}
+
         with self._lock:
-            usage = self._m.live_bytes()
-            victims = {f for f, (live, size) in usage.items()
-                       if size and live < threshold * size and live < _round_up(live) + size}
-            victims = {f for f in victims if usage[f][0] < usage[f][1]}
-            names = self._m.names_in(victims)
-        if not victims:
+            names = self._m.names_in(victims_now())
+        if not names:
             return 0
         ev = self._claim(names, True)
         try:
-            with self._lock:
-                entries = [self._m.entries[n] for n in names if n in self._m.entries]
-                entries = [e for e in entries if e.file in victims]
-            entries.sort(key=lambda e: e.seq)
+            with self._lock:        # again, now that nobody else can change these names
+                victims = victims_now()
+                entries = sorted((self._m.entries[n] for n in names
+                                  if n in self._m.entries
+                                  and self._m.entries[n].file in victims),
+                                 key=lambda e: e.seq)
+            if not entries:
+                return 0
             fds: dict[str, int] = {}
-            jobs: list[_WriteJob] = []
+            reads: list[tuple[Entry, torch.Tensor, concurrent.futures.Future[int] | None]] = []
             try:
                 for e in entries:
                     if e.file not in fds:
                         fds[e.file] = self._dir.open_data(e.file, f"compact of {e.name!r}")[0]
                     raw = torch.empty(e.nbytes, dtype=torch.uint8)
-                    if e.nbytes:
-                        self._handle.pread(raw, fds[e.file], e.offset)
-                    if e.checksum_algo is not None and self._verify:
-                        got = _checksum.digest(raw, e.checksum_algo)
-                        if got != e.checksum:
-                            raise ChecksumError(f"compact: checksum mismatch of {e.name!r} in "
-                                                f"{self._dir.join(e.file)!r}; nothing changed")
-                    jobs.append(_WriteJob(e.name, raw, e.dtype, e.shape, e.stride,
-                                          e.storage_offset, e.seq, e.checksum,
-                                          e.checksum_algo))
+                    f = (self._handle.pread(raw, fds[e.file], e.offset, async_op=True)
+                         if e.nbytes else None)
+                    assert f is None or isinstance(f, concurrent.futures.Future)
+                    reads.append((e, raw, f))
             finally:
+                concurrent.futures.wait([f for _, _, f in reads if f is not None])
                 for fd in fds.values():
                     os.close(fd)
-            before = sum(usage[f][1] for f in victims)
+            jobs: list[_WriteJob] = []
+            for e, raw, done in reads:
+                if done is not None:
+                    done.result()
+                if e.checksum_algo is not None and self._verify:
+                    if _checksum.digest(raw, e.checksum_algo) != e.checksum:
+                        raise ChecksumError(f"compact: checksum mismatch of {e.name!r} in "
+                                            f"{self._dir.join(e.file)!r}; nothing was changed")
+                jobs.append(_WriteJob(e.name, raw, e.dtype, e.shape, e.stride,
+                                      e.storage_offset, e.seq, e.checksum, e.checksum_algo))
             change = self._write_packs(jobs, "compact")
             self._m.commit(change)
-            return before - sum(change.packs.values())
+            return sum(victims[f] for f in {e.file for e in entries}) - sum(
+                change.packs.values())
         finally:
             self._unclaim(names, ev)
 
-    # -- name claims -----------------------------------------------------------------------
+    # -- name claims ----------------------------------------------------------------------
     def _claim(self, names: list[str], overwrite: bool) -> threading.Event:
         """Wait until no operation is in flight on ``names``, then mark them busy."""
-        if len(set(names)) != len(names):
-            raise SwapError("the same name appears twice in one request")
-        while True:
-            with self._lock:
-                self._check_open()
-                waits = [self._busy[n] for n in names if n in self._busy]
-                if not waits:
-                    if not overwrite:
-                        taken = [n for n in names if n in self._m.entries]
-                        if taken:
-                            raise SwapError(f"{taken[0]!r} is already swapped out in "
-                                            f"{self._path!r}; pass overwrite=True to replace "
-                                            f"it" + (f" ({len(taken)} names taken)"
-                                                     if len(taken) > 1 else ""))
-                    ev = threading.Event()
-                    for n in names:
-                        self._busy[n] = ev
-                    return ev
-            for w in waits:
-                w.wait()
+        def check(ns: list[str]) -> None:
+            self._check_open()
+            if not overwrite:
+                taken = [n for n in ns if n in self._m.entries]
+                if taken:
+                    raise SwapError(f"{taken[0]!r} is already swapped out in {self._path!r}; "
+                                    f"pass overwrite=True to replace it"
+                                    + (f" ({len(taken)} names taken)" if len(taken) > 1
+                                       else ""))
+
+        return self._claims.claim(names, check)
 
     def _unclaim(self, names: list[str], ev: threading.Event) -> None:
-        with self._lock:
-            for n in names:
-                if self._busy.get(n) is ev:
-                    del self._busy[n]
-        ev.set()
+        self._claims.unclaim(names, ev)
 
     # -- futures, closing ------------------------------------------------------------------
     def _run(self, job: Callable[[], _T], async_op: bool) -> _T | concurrent.futures.Future[_T]:
@@ -1603,7 +1557,7 @@ class TensorSwapper:
             self._dir.remove_own_files()
         created = self._dir.created
         self.close()
-        self._dir.unlink("aioswap.lock")
+        self._dir.unlink(LOCK_NAME)
         if created:
             try:
                 os.rmdir(self._path)
