@@ -348,6 +348,15 @@ def _memlock_reason() -> str:
             f"unlimited or docker --ulimit memlock=-1)")
 
 
+def _bar_width(stream: IO[str]) -> dict[str, Any]:
+    """tqdm's width: follow the terminal, or 80 columns where it reports none (a bare pty)."""
+    try:
+        cols = os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError):
+        cols = 0
+    return {"dynamic_ncols": True} if cols > 0 else {"ncols": 80}
+
+
 class _Progress:
     """A tqdm bar over bytes on stderr, drawn only on a terminal."""
 
@@ -356,7 +365,7 @@ class _Progress:
         if enabled and stream.isatty():
             from tqdm import tqdm  # type: ignore[import-untyped]
             self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True,
-                            unit_divisor=1000, file=stream, leave=False, dynamic_ncols=True)
+                            unit_divisor=1000, file=stream, leave=False, **_bar_width(stream))
 
     def step(self, nbytes: int, label: str) -> None:
         if self.bar is not None:
@@ -396,7 +405,7 @@ def run_bench(directory: str, size: int, *, config: AioConfig, repeat: int, warm
     (fsync'd), drops the file from the page cache, reads, and checks the bytes. Figures are the
     median of the rounds with their range.
     """
-    torch = _need_torch("aioswap bench")
+    torch = _need_torch("bench")
     from aioswap import pinned
     from aioswap.errors import AioswapWarning, PinnedMemoryError
     from aioswap.handle import AioHandle
@@ -654,7 +663,7 @@ def run_tune(*, dirs: Sequence[str], io_size: int, direction: tune_mod.Direction
     if progress and err.isatty():
         from tqdm import tqdm
         bar = tqdm(total=len(grid) if search == "grid" else None, desc=f"aioswap tune ({search})",
-                   unit="pt", file=err, leave=False, dynamic_ncols=True)
+                   unit="pt", file=err, leave=False, **_bar_width(err))
 
     def on_point(point: t.SweepPoint, results: Sequence[t.Result], best: float | None) -> None:
         if bar is not None:
@@ -830,7 +839,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _os_error_line(exc: OSError) -> str:
     what = os.strerror(exc.errno) if exc.errno else str(exc)
-    where = f"{exc.filename}: " if exc.filename else ""
+    name = os.fsdecode(exc.filename) if exc.filename else ""
+    if len(name) > 1 and name[0] == name[-1] and name[0] in "'\"":
+        name = name[1:-1]   # some layers pass repr(path) as the file name
+    where = f"{name}: " if name else ""
     hint = ""
     if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
         hint = " (the disk, a quota or ulimit -f ran out: free space or use a smaller --size)"

@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ import pytest
 
 import aioswap
 from aioswap import AioConfig
-from aioswap.cli import format_size, main, parse_size
+from aioswap.cli import build_parser, main
 from aioswap.tune import SweepPoint
 
 MiB = 1 << 20
@@ -34,9 +34,11 @@ TIMEOUT = 300
 
 
 def run_cli(*args: str | os.PathLike[str], cwd: Path | None = None,
-            timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
-    """``python -m aioswap ARGS`` in a subprocess, output captured as text."""
-    return subprocess.run([sys.executable, "-m", "aioswap", *map(str, args)],
+            timeout: float = TIMEOUT, prefix: Sequence[str] = (),
+            python: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+    """``python -m aioswap ARGS`` in a subprocess, output captured as text; ``prefix`` runs it
+    under another command (``prlimit``, ``setpriv``)."""
+    return subprocess.run([*prefix, sys.executable, *python, "-m", "aioswap", *map(str, args)],
                           capture_output=True, text=True, cwd=cwd, timeout=timeout,
                           check=False)
 
@@ -89,10 +91,11 @@ def mounted(target: Path, fstype: str, *options: str) -> Iterator[Path]:
 
 
 def assert_usage_error(done: subprocess.CompletedProcess[str], *needles: str) -> None:
-    """Exit status 2, the message on stderr (not a traceback), nothing on stdout."""
+    """Exit status 2, one line on stderr (no traceback, no usage dump), nothing on stdout."""
     assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     for needle in needles:
         assert needle in done.stderr, (needle, done.stderr)
 
@@ -124,38 +127,55 @@ def assert_real_section(doc: dict[str, Any]) -> AioConfig:
     return cfg
 
 
-# -- sizes -------------------------------------------------------------------------------------
+NO_IPC_LOCK = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock",
+               "prlimit", "--memlock=8388608"]
 
 
-@pytest.mark.parametrize("text, value", [
-    ("1G", GiB), ("1g", GiB), ("1GiB", GiB), ("1 GB", GiB), ("400M", 400 * MiB),
-    ("64K", 64 << 10), ("4096", 4096), ("1.5K", 1536), ("2T", 2 << 40), (" 8M ", 8 * MiB),
-])
-def test_parse_size(text: str, value: int) -> None:
-    assert parse_size(text) == value
+def can_drop_ipc_lock() -> bool:
+    return (os.geteuid() == 0 and shutil.which("setpriv") is not None
+            and shutil.which("prlimit") is not None)
 
 
-@pytest.mark.parametrize("text, why", [
-    ("0", "must be positive"), ("0K", "must be positive"), ("12X", "invalid size"),
-    ("", "invalid size"), ("-1M", "invalid size"), ("M", "invalid size"),
-    ("1.2.3G", "invalid size"), ("1 G B", "invalid size"),
-])
-def test_parse_size_rejects(text: str, why: str) -> None:
-    with pytest.raises(argparse.ArgumentTypeError, match=why):
-        parse_size(text)
+def table_row(out: str, method: str) -> list[str]:
+    """The cells after ``method`` on the table line that starts with it."""
+    line = next((x for x in out.splitlines() if x.startswith(method)), None)
+    assert line is not None, (method, out)
+    return line[len(method):].split()
 
 
-@pytest.mark.parametrize("n, text", [
-    (GiB, "1 GiB"), (8 * MiB, "8 MiB"), (400 * MiB, "400 MiB"), (64 << 10, "64 KiB"),
-    (1536, "1.50 KiB"), (1000, "1000 B"), (3 * GiB // 2, "1.50 GiB"), (1 << 40, "1 TiB"),
-])
-def test_format_size(n: int, text: str) -> None:
-    assert format_size(n) == text
+# -- help, version, conventions ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [4096, 64 << 10, MiB, 8 * MiB, GiB, 3 * GiB // 2])
-def test_format_size_parses_back(n: int) -> None:
-    assert parse_size(format_size(n)) == n
+def test_version() -> None:
+    done = run_cli("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"aioswap {aioswap.__version__}"
+
+
+def test_help_is_plain_text() -> None:
+    done = run_cli("--help")
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    for cmd in ("info", "bench", "tune", "--version", "Exit status", "10^9"):
+        assert cmd in text, (cmd, text)
+    for rest in ("``", ":func:", ":class:", ".. "):
+        assert rest not in text, (rest, text)
+
+
+@pytest.mark.parametrize("command", ["info", "bench", "tune"])
+def test_every_flag_has_help(command: str) -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    p = sub.choices[command]
+    for action in p._actions:
+        assert action.help, (command, action.option_strings or action.dest)
+    done = run_cli(command, "--help")
+    assert done.returncode == 0 and "usage: aioswap " + command in done.stdout
+
+
+def test_no_command_is_a_usage_error() -> None:
+    done = run_cli()
+    assert done.returncode == 2 and "aioswap: error:" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
 
 
 # -- info ----------------------------------------------------------------------------------------
@@ -178,6 +198,18 @@ def check_info(info: dict[str, Any], directory: Path) -> None:
     assert is_power_of_two(d["dio_mem_align"]) and d["dio_mem_align"] <= 4096
     assert is_power_of_two(d["dio_offset_align"]) and d["dio_offset_align"] <= 4096
 
+    dev = info["device"]
+    if dev["name"] is None:
+        assert "no block device" in dev["reason"]
+    else:
+        assert os.path.isdir(f"/sys/block/{dev['name']}")
+        assert is_power_of_two(dev["logical_block_size"])
+        assert is_power_of_two(dev["physical_block_size"])
+        assert dev["physical_block_size"] >= dev["logical_block_size"]
+        assert type(dev["rotational"]) is bool
+        assert dev["nr_requests"] is None or dev["nr_requests"] > 0
+        assert dev["scheduler"] is None or "[" not in dev["scheduler"]
+
     m = info["memlock"]
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     assert m["unlimited"] is (soft == resource.RLIM_INFINITY)
@@ -198,24 +230,20 @@ def check_info(info: dict[str, Any], directory: Path) -> None:
 
 def test_info_json_subprocess(disk: Path) -> None:
     before = listing(disk)
-    done = run_cli("info", disk, "--json")
+    done = run_cli("info", "--dir", disk, "--json")
     assert done.returncode == 0, done.stderr
     check_info(json.loads(done.stdout), disk)
     assert listing(disk) == before  # the O_DIRECT probe file is gone
 
 
-def test_info_json_no_cufile_here(disk: Path) -> None:
-    """On a box without libcufile (this one): available False, and the reason says why."""
-    from aioswap import _cufile
-    if _cufile.available()[0]:
-        pytest.skip("libcufile is present here")
-    info = json.loads(run_cli("info", disk, "--json").stdout)
-    assert info["cufile"]["available"] is False
-    assert "libcufile" in info["cufile"]["reason"]
+def test_info_positional_dir_is_an_alias(disk: Path) -> None:
+    done = run_cli("info", disk, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["directory"]["path"] == str(disk.resolve())
 
 
 def test_info_json_in_process(disk: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["info", str(disk), "--json"]) == 0
+    assert main(["info", "--dir", str(disk), "--json"]) == 0
     out, err = capsys.readouterr()
     check_info(json.loads(out), disk)
     assert err == ""
@@ -223,16 +251,26 @@ def test_info_json_in_process(disk: Path, capsys: pytest.CaptureFixture[str]) ->
 
 def test_info_text(disk: Path, capsys: pytest.CaptureFixture[str],
                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(disk)  # DIR defaults to .
+    monkeypatch.chdir(disk)  # --dir defaults to .
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    for label in ("kernel AIO", "directory", "O_DIRECT", "RLIMIT_MEMLOCK", "CAP_IPC_LOCK",
-                  "cuFile", "GPU"):
+    for label in ("kernel AIO", "directory", "device", "O_DIRECT", "RLIMIT_MEMLOCK",
+                  "CAP_IPC_LOCK", "cuFile", "GPU"):
         assert label in out, (label, out)
     assert "kernel AIO       : yes" in out
     assert str(disk.resolve()) in out and "free of" in out
-    align = json.loads(run_cli("info", disk, "--json").stdout)["directory"]["dio_mem_align"]
+    info = json.loads(run_cli("info", "--dir", disk, "--json").stdout)
+    align = info["directory"]["dio_mem_align"]
     assert f"O_DIRECT         : yes, memory alignment {align} B" in out
+    if info["device"]["name"]:
+        assert "scheduler" in out and "logical" in out and "nr_requests" in out
+        assert "NUMA node" in out
+    assert all(len(line) <= 120 for line in out.splitlines()), out   # no 400-character lines
+    if not info["cufile"]["available"]:
+        line = next(x for x in out.splitlines() if x.startswith("cuFile"))
+        assert line.startswith("cuFile           : no (") and len(line) < 120
+    if not info["gpu"]["cuda"]:
+        assert "GPU              : none (torch " in out and "None" not in out
     assert listing(disk) == []
 
 
@@ -240,15 +278,39 @@ def test_console_script(disk: Path) -> None:
     exe = shutil.which("aioswap")
     if exe is None:
         pytest.skip("the aioswap console script is not on PATH")
-    done = subprocess.run([exe, "info", str(disk), "--json"], capture_output=True, text=True,
-                          timeout=TIMEOUT, check=False)
+    done = subprocess.run([exe, "info", "--dir", str(disk), "--json"], capture_output=True,
+                          text=True, timeout=TIMEOUT, check=False)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["directory"]["o_direct"] is True
 
 
-def test_no_command_is_a_usage_error() -> None:
-    done = run_cli()
-    assert done.returncode == 2 and "usage: aioswap" in done.stderr
+def test_info_into_a_closed_pipe(disk: Path) -> None:
+    """``aioswap info | head -c1``: one line on stderr, no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "aioswap", "info", "--dir", str(disk)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()   # the reader is gone before the first byte
+    err = proc.stderr.read()
+    proc.stderr.close()
+    assert proc.wait(timeout=TIMEOUT) == 2
+    assert "Traceback" not in err and "broken pipe" in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("where", ["/dev/shm"])
+def test_ram_file_system_is_flagged(where: str) -> None:
+    if not os.path.isdir(where) or not os.access(where, os.W_OK):
+        pytest.skip(f"no writable {where}")
+    done = run_cli("info", "--dir", where)
+    assert done.returncode == 0, done.stderr
+    assert "warning" in done.stdout and "measure memory, not a drive" in done.stdout
+    bench = run_cli("bench", "--dir", where, "--size", "1M", "--repeat", "1")
+    if bench.returncode == 2:
+        assert "refuses O_DIRECT" in bench.stderr and "Traceback" not in bench.stderr
+    else:
+        assert bench.returncode == 0, bench.stderr
+        assert "measure memory, not a drive" in bench.stderr
+        assert "measure memory, not a drive" in bench.stdout
 
 
 # -- bench ---------------------------------------------------------------------------------------
@@ -256,65 +318,206 @@ def test_no_command_is_a_usage_error() -> None:
 
 def test_bench_text(disk: Path) -> None:
     before = listing(disk)
-    done = run_cli("bench", "--dir", disk, "--size", "8M", "--no-progress")
+    done = run_cli("bench", "--dir", disk, "--size", "4M", "--repeat", "3", "--no-progress")
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert "8 MiB" in out and str(disk.resolve()) in out
+    assert "4 MiB" in out and str(disk.resolve()) in out
+    assert "3 round(s)" in out and "methods alternating" in out
+    assert "GB/s = 10^9 bytes/s" in out and "ratio = aioswap / python buffered" in out
+    assert "bigger is better" in out
     for method in ("aioswap direct (pinned)", "aioswap bounce (unpinned)", "python buffered"):
-        line = next(x for x in out.splitlines() if x.startswith(method))
-        numbers = [float(v) for v in line[len(method):].split()]
-        assert len(numbers) == 4 and all(v > 0 for v in numbers), line
+        cells = table_row(out, method)
+        assert len(cells) == 6, (method, cells)    # write, (min-max), read, (min-max), 2 ratios
+        assert float(cells[0]) > 0 and float(cells[2]) > 0
+        lo, hi = (float(v) for v in cells[1].strip("()").split("-"))
+        assert lo <= float(cells[0]) <= hi
+    assert table_row(out, "python buffered")[4:] == ["-", "-"]
+    assert float(table_row(out, "aioswap direct (pinned)")[4]) > 0
     assert "fsync" in out and "page cache" in out  # says how reads avoid the cache
-    assert "GiB/s" in out
     assert listing(disk) == before
     assert done.stderr == ""  # --no-progress
 
 
 def test_bench_json_in_process(disk: Path, capsys: pytest.CaptureFixture[str]) -> None:
     before = listing(disk)
-    assert main(["bench", "--dir", str(disk), "--size", "8M", "--json"]) == 0
+    assert main(["bench", "--dir", str(disk), "--size", "4M", "--repeat", "2", "--json"]) == 0
     out, err = capsys.readouterr()
-    res = json.loads(out)  # the progress bar went to stderr, not into the JSON
-    assert "aioswap bench" in err
-    assert res["size_bytes"] == 8 * MiB and res["size"] == "8 MiB"
+    res = json.loads(out)
+    assert err == ""   # stderr is not a terminal: no progress bar
+    assert res["size_bytes"] == 4 * MiB and res["size"] == "4 MiB" and res["repeat"] == 2
     assert res["directory"] == str(disk.resolve())
     assert "page cache" in res["cache"] and "fsync" in res["writes"]
+    assert "10^9" in res["units"] and res["skipped"] == [] and res["notes"] == []
     rows = {r["method"]: r for r in res["rows"]}
     assert list(rows) == ["aioswap direct (pinned)", "aioswap bounce (unpinned)",
                           "python buffered"]
-    gib = res["size_bytes"] / GiB
-    for r in rows.values():
-        for key in ("write_GiBps", "read_GiBps"):
-            assert math.isfinite(r[key]) and r[key] > 0, (r["method"], key, r[key])
     base = rows["python buffered"]
     for r in rows.values():
         for d in ("write", "read"):
-            method_s = gib / r[f"{d}_GiBps"]
-            buffered_s = gib / base[f"{d}_GiBps"]
-            assert r[f"{d}_vs_buffered"] == pytest.approx(buffered_s / method_s, rel=1e-9)
-    assert base["write_vs_buffered"] == base["read_vs_buffered"] == 1.0
+            s = r[d]
+            assert len(s["all"]) == 2 and all(v > 0 and math.isfinite(v) for v in s["all"])
+            assert s["GBps"] == pytest.approx(sum(s["all"]) / 2)   # median of two
+            assert s["min"] == min(s["all"]) and s["max"] == max(s["all"])
+            if r is base:
+                assert r[f"{d}_ratio"] is None
+            else:
+                assert r[f"{d}_ratio"] == pytest.approx(s["GBps"] / base[d]["GBps"])
     assert listing(disk) == before
 
 
-def test_bench_progress_on_stderr(disk: Path) -> None:
-    done = run_cli("bench", "--dir", disk, "--size", "4M", "--json")
+def test_bench_knobs(disk: Path) -> None:
+    """ds_io's knobs: parallelism, submit/overlap, read-only, warm-up; odd block sizes."""
+    done = run_cli("bench", "--dir", disk, "--size", "2M", "--repeat", "1", "--warmup", "1",
+                   "--block-size", "64K", "--queue-depth", "4", "--parallelism", "2",
+                   "--single-submit", "--no-overlap", "--read-only", "--json")
     assert done.returncode == 0, done.stderr
-    json.loads(done.stdout)
-    assert "aioswap bench" in done.stderr and "7/7" in done.stderr
+    res = json.loads(done.stdout)
+    assert res["config"] == {"block_size": 65536, "queue_depth": 4, "intra_op_parallelism": 2,
+                             "single_submit": True, "overlap_events": False, "use_gds": False}
+    assert res["ops"] == ["read"] and res["warmup"] == 1
+    for r in res["rows"]:
+        assert r["write"] is None and len(r["read"]["all"]) == 1
+    done = run_cli("bench", "--dir", disk, "--size", "1M", "--repeat", "1", "--write-only")
+    assert done.returncode == 0, done.stderr
+    assert "write GB/s" in done.stdout and "read GB/s" not in done.stdout
+    assert listing(disk) == []
+
+
+def test_bench_progress_only_on_a_terminal(disk: Path) -> None:
+    import fcntl
+    import pty
+    import struct
+    import termios
+    import threading
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        with contextlib.suppress(OSError):
+            while chunk := os.read(master, 65536):
+                chunks.append(chunk)
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        done = subprocess.run([sys.executable, "-m", "aioswap", "bench", "--dir", str(disk),
+                               "--size", "2M", "--repeat", "2", "--json"],
+                              stdout=subprocess.PIPE, stderr=slave, text=True, timeout=TIMEOUT,
+                              check=False)
+    finally:
+        os.close(slave)
+        reader.join(timeout=10)
+        os.close(master)
+    drawn = b"".join(chunks)
+    assert done.returncode == 0
+    json.loads(done.stdout)   # the bar went to the terminal, not into the JSON
+    text = drawn.decode(errors="replace")
+    assert "aioswap bench" in text and "B/s" in text, text   # bytes: the ETA is by bytes
+    quiet = run_cli("bench", "--dir", disk, "--size", "1M", "--repeat", "1", "--json")
+    assert quiet.returncode == 0 and quiet.stderr == ""   # not a terminal: no bar
     assert listing(disk) == []
 
 
 def test_bench_default_dir_is_cwd(disk: Path) -> None:
-    done = run_cli("bench", "--size", "1M", "--no-progress", "--json", cwd=disk)
+    done = run_cli("bench", "--size", "1M", "--repeat", "1", "--json", cwd=disk)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["directory"] == str(disk.resolve())
     assert listing(disk) == []
 
 
-def test_bench_odd_size(disk: Path) -> None:
-    done = run_cli("bench", "--dir", disk, "--size", "1000", "--no-progress")
-    assert done.returncode in (0, 2), done.stderr
+def test_bench_ignores_planted_symlinks(disk: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Scratch files have unique names and are created with O_EXCL: a symlink planted under
+    the old pid-only name (issue: root's run overwrote a 0600 file elsewhere) is left alone."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    victim.chmod(0o600)
+    pid = os.getpid()
+    planted = [disk / f".aioswap-{stem}-{pid}.bin" for stem in ("bench", "probe")]
+    for p in planted:
+        p.symlink_to(victim)
+    assert main(["bench", "--dir", str(disk), "--size", "1M", "--repeat", "1", "--json"]) == 0
+    capsys.readouterr()
+    assert victim.read_bytes() == b"precious"
+    assert sorted(listing(disk)) == sorted(p.name for p in planted)
+
+
+def test_scratch_files_are_private(disk: Path) -> None:
+    from aioswap.cli import _scratch
+    with _scratch(str(disk), "bench") as path:
+        st = os.lstat(path)
+        assert st.st_mode & 0o777 == 0o600 and os.path.basename(path).startswith(
+            ".aioswap-bench-")
+        with _scratch(str(disk), "bench") as other:
+            assert other != path
+    assert listing(disk) == []
+
+
+@pytest.mark.skipif(not can_drop_ipc_lock(), reason="needs root, setpriv and prlimit")
+def test_bench_as_a_normal_user(disk: Path) -> None:
+    """Without CAP_IPC_LOCK and with the usual 8 MiB memlock limit, bench measures what it
+    can, says what it skipped and why, and exits 0."""
+    done = run_cli("bench", "--dir", disk, "--size", "16M", "--repeat", "1", prefix=NO_IPC_LOCK)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
     assert "Traceback" not in done.stderr
+    assert float(table_row(out, "aioswap bounce (unpinned)")[0]) > 0
+    assert float(table_row(out, "python buffered")[0]) > 0
+    assert not any(x.startswith("aioswap direct") for x in out.splitlines())
+    skipped = next(x for x in out.splitlines() if x.startswith("skipped aioswap direct"))
+    assert "RLIMIT_MEMLOCK 8 MiB" in skipped and "CAP_IPC_LOCK no" in skipped
+    assert "ulimit -l" in skipped
+    assert len(done.stderr) < 300, done.stderr   # no long warning dump
+    assert listing(disk) == []
+
+
+@pytest.mark.skipif(not can_drop_ipc_lock(), reason="needs root, setpriv and prlimit")
+def test_tune_as_a_normal_user_stops_at_once(disk: Path, tmp_path: Path) -> None:
+    done = run_cli("tune", "--dir", disk, "--io-size", "16M", "--log-dir", tmp_path / "logs",
+                   "--no-progress", prefix=NO_IPC_LOCK, timeout=60)
+    assert_usage_error(done, "page-locked memory", "RLIMIT_MEMLOCK is 8 MiB", "ulimit -l")
+    assert listing(disk) == [] and not (tmp_path / "logs").exists()
+
+
+def test_without_torch(disk: Path) -> None:
+    """No torch installed: one line naming the fix, for bench and tune."""
+    code = ("import sys; sys.modules['torch'] = None; from aioswap.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    for args in (["bench", "--dir", str(disk), "--size", "1M"],
+                 ["tune", "--dir", str(disk), "--io-size", "8M", "--no-progress"]):
+        done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
+                              text=True, timeout=TIMEOUT, check=False)
+        assert_usage_error(done, "needs torch: pip install torch", "download.pytorch.org")
+    assert listing(disk) == []
+
+
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit")
+def test_bench_file_size_limit(disk: Path) -> None:
+    """``ulimit -f`` (EFBIG), like a full disk (ENOSPC): one line, the path once, unquoted."""
+    done = run_cli("bench", "--dir", disk, "--size", "4M", "--repeat", "1",
+                   prefix=["prlimit", "--fsize=1048576"])
+    assert_usage_error(done, "File too large", str(disk.resolve()))
+    assert f"'{disk.resolve()}" not in done.stderr and '"' not in done.stderr
+    assert listing(disk) == []
+
+
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit")
+def test_bench_checks_memory_before_allocating(disk: Path) -> None:
+    done = run_cli("bench", "--dir", disk, "--size", "2G",
+                   prefix=["prlimit", f"--as={6 << 30}"])
+    assert_usage_error(done, "needs about", "of memory", "use a smaller --size")
+    assert listing(disk) == []
+
+
+def test_gds_without_a_gpu(disk: Path, tmp_path: Path) -> None:
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert_usage_error(run_cli("bench", "--dir", disk, "--size", "1M", "--gds"),
+                       "--gds needs a CUDA device")
+    assert_usage_error(run_cli("tune", "--dir", disk, "--io-size", "8M", "--gds",
+                               "--log-dir", tmp_path / "logs", "--no-progress"),
+                       "--gds needs a CUDA device")
     assert listing(disk) == []
 
 
@@ -330,21 +533,23 @@ def logged_points(log_dir: Path, direction: str) -> set[str]:
     return {f.stem for f in files}
 
 
+def tune_quick(d: Path, logs: Path, *extra: str | Path) -> subprocess.CompletedProcess[str]:
+    return run_cli("tune", "--dir", d, "--io-size", "4M", "--quick", "--repeat", "1",
+                   "--log-dir", logs, "--no-progress", *extra)
+
+
 def test_tune_end_to_end(disk: Path, tmp_path: Path) -> None:
-    """``tune --io-size 64M`` on a real file: table, best section, one log per point."""
+    """tune on a real file: table, best section, one log per point."""
     logs, out_file = tmp_path / "logs", tmp_path / "best.json"
     before = listing(disk)
-    done = run_cli("tune", "--dir", disk, "--io-size", "64M", "--search", "fast",
-                   "--log-dir", logs, "--output", out_file, "--no-progress")
+    done = tune_quick(disk, logs, "--output", out_file)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "read GB/s" in out and "write GB/s" in out and "hmean GB/s" in out
-    assert "0 failed" in out
+    assert "spread" in out and "0 failed" in out and "fsync'd writes" in out
     doc = best_section(out)
     cfg = assert_real_section(doc)
-    # the file --output wrote is the same section
     assert json.loads(out_file.read_text()) == doc
-    # one log per measured point and direction; the table lists the same points
     reads, writes = logged_points(logs, "read"), logged_points(logs, "write")
     assert reads == writes and reads
     table = {line.split()[1] if line.startswith("* ") else line.split()[0]
@@ -360,44 +565,41 @@ def test_tune_end_to_end(disk: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("flag, measured", [("--no-read", "write"), ("--no-write", "read")])
 def test_tune_one_direction(disk: Path, tmp_path: Path, flag: str, measured: str) -> None:
-    """Only that direction is measured, logged, and picked by."""
     logs = tmp_path / "logs"
-    done = run_cli("tune", "--dir", disk, "--io-size", "16M", flag, "--json", "--log-dir", logs,
-                   "--no-progress")
+    done = tune_quick(disk, logs, flag, "--json", "--repeat", "2")
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
-    assert doc["direction"] == measured and doc["error"] is None
+    assert doc["direction"] == measured and doc["error"] is None and doc["repeat"] == 2
     assert {r["direction"] for r in doc["results"]} == {measured}
+    assert all(len(r["samples"]) == 2 and r["spread"] is not None for r in doc["results"])
     assert not (logs / ("read" if measured == "write" else "write")).exists()
     assert logged_points(logs, measured) == {r["name"] for r in doc["results"]}
     cfg = assert_real_section(doc)
     best = max(r["gbps"] for r in doc["results"])
-    chosen = [r for r in doc["results"]
-              if SweepPoint.parse(r["name"]).to_config() == cfg]
+    chosen = [r for r in doc["results"] if SweepPoint.parse(r["name"]).to_config() == cfg]
     assert len(chosen) == 1 and chosen[0]["gbps"] == best
     assert listing(disk) == []
 
 
 def test_tune_in_process(disk: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Through main(): JSON on stdout, the progress bar and log note on stderr."""
     logs = tmp_path / "logs"
-    assert main(["tune", "--dir", str(disk), "--io-size", "8M", "--no-read", "--json",
-                 "--log-dir", str(logs)]) == 0
+    assert main(["tune", "--dir", str(disk), "--io-size", "4M", "--quick", "--repeat", "1",
+                 "--no-read", "--json", "--log-dir", str(logs)]) == 0
     out, err = capsys.readouterr()
     doc = json.loads(out)
     assert_real_section(doc)
     assert doc["log_dir"] == str(logs) and doc["evaluations"] == len(doc["results"])
-    assert "aioswap tune" in err and f"logs in {logs}" in err
+    assert f"logs in {logs}" in err and "aioswap tune (fast)" not in err  # no bar off a tty
     assert listing(disk) == []
 
 
 def test_tune_plot(disk: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "sweep.png"
-    done = run_cli("tune", "--dir", disk, "--io-size", "8M", "--no-read", "--plot", png,
-                   "--log-dir", tmp_path / "logs", "--no-progress")
+    done = tune_quick(disk, tmp_path / "logs", "--no-read", "--plot", png)
     assert done.returncode == 0, done.stderr
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10000
+    assert f"heat map in {png}" in done.stderr
     assert_real_section(best_section(done.stdout))
     assert listing(disk) == []
 
@@ -410,11 +612,11 @@ def test_tune_needs_dir_and_one_direction(disk: Path) -> None:
     assert listing(disk) == []
 
 
-# -- bad input -----------------------------------------------------------------------------------
+# -- bad input: one line on stderr, exit 2, nothing left behind ----------------------------------
 
 
 def bench_args(d: Path) -> list[str]:
-    return ["bench", "--dir", str(d), "--size", "8M", "--no-progress"]
+    return ["bench", "--dir", str(d), "--size", "1M", "--repeat", "1", "--no-progress"]
 
 
 def tune_args(d: Path, logs: Path) -> list[str]:
@@ -425,10 +627,21 @@ def tune_args(d: Path, logs: Path) -> list[str]:
 def test_missing_directory(tmp_path: Path, command: str) -> None:
     missing, logs = tmp_path / "no-such-dir", tmp_path / "logs"
     args = {"bench": bench_args(missing), "tune": tune_args(missing, logs),
-            "info": ["info", str(missing), "--json"]}[command]
+            "info": ["info", "--dir", str(missing), "--json"]}[command]
     assert_usage_error(run_cli(*args), f"aioswap {command}: error:", str(missing),
                        "does not exist")
     assert listing(tmp_path) == []  # neither the directory nor the logs were created
+
+
+@pytest.mark.parametrize("command", ["bench", "tune", "info"])
+def test_proc_is_refused(tmp_path: Path, command: str) -> None:
+    """A directory that cannot hold files (/proc): one line, not mkstemp's traceback."""
+    args = {"bench": bench_args(Path("/proc")), "tune": tune_args(Path("/proc"), tmp_path / "l"),
+            "info": ["info", "--dir", "/proc"]}[command]
+    done = run_cli(*args)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "/proc" in done.stderr
+    assert not (tmp_path / "l").exists()
 
 
 def test_missing_directory_in_process(tmp_path: Path,
@@ -451,7 +664,7 @@ def test_a_file_is_not_a_directory(tmp_path: Path, command: str) -> None:
     f = tmp_path / "plain-file"
     f.write_bytes(b"x")
     args = bench_args(f) if command == "bench" else tune_args(f, tmp_path / "logs")
-    assert_usage_error(run_cli(*args), str(f))
+    assert_usage_error(run_cli(*args), str(f), "is not a directory")
     assert listing(tmp_path) == ["plain-file"]
 
 
@@ -481,30 +694,44 @@ def test_info_reports_no_o_direct(tmp_path: Path) -> None:
     with mounted(tmp_path / "ramfs", "ramfs") as rf:
         if supports_o_direct(rf):
             pytest.skip("this kernel's ramfs accepts O_DIRECT")
-        done = run_cli("info", rf, "--json")
+        done = run_cli("info", "--dir", rf, "--json")
         assert done.returncode == 0, done.stderr
         d = json.loads(done.stdout)["directory"]
         assert d["o_direct"] is False and d["fs_type"] == "ramfs"
         assert "O_DIRECT" in d["reason"]
-        text = run_cli("info", rf).stdout
-        assert "O_DIRECT         : NO" in text and "buffered I/O" in text
+        text = run_cli("info", "--dir", rf).stdout
+        line = next(x for x in text.splitlines() if x.startswith("O_DIRECT"))
+        assert "NO (the ramfs file system refuses O_DIRECT)" in line and "buffered I/O" in line
+        assert ".aioswap-probe" not in text   # the probe path is not in the message
+        assert "measure memory" in text       # ramfs: the RAM warning
         assert listing(rf) == []
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["bench", "--size", "0"], "size must be positive"),
+    (["bench", "--size", "0"], "argument --size: size must be at least 1 MiB"),
+    (["bench", "--size", "1000"], "size must be at least 1 MiB"),   # 0.00 GB/s everywhere
     (["bench", "--size", "12X"], "invalid size '12X'"),
     (["bench", "--size=-8M"], "invalid size"),
     (["bench", "--block-size", "0"], "size must be positive"),
+    (["bench", "--block-size", "4G"], "--block-size must be at most"),
+    (["bench", "--queue-depth", "0"], "must be at least 1, got 0"),
+    (["bench", "--queue-depth", "-3"], "must be at least 1, got -3"),
+    (["bench", "--queue-depth", "100000"], "--queue-depth must be between 1 and 65535"),
+    (["bench", "--queue-depth", "deep"], "expected an integer, got 'deep'"),
+    (["bench", "--parallelism", "1000"], "--parallelism must be between 1 and 256"),
+    (["bench", "--repeat", "0"], "must be at least 1"),
+    (["bench", "--read-only", "--write-only"], "not allowed with"),
     (["tune", "--io-size", "0"], "size must be positive"),
     (["tune", "--io-size", "64Q"], "invalid size '64Q'"),
+    (["tune", "--io-size", "1"], "smaller than the largest block size swept"),
+    (["tune", "--repeat", "0"], "must be at least 1"),
 ])
-def test_bad_size(disk: Path, tmp_path: Path, args: list[str], needle: str) -> None:
-    flag = ["--dir", str(disk)] + (["--log-dir", str(tmp_path / "logs")]
-                                   if args[0] == "tune" else [])
-    done = run_cli(*args, *flag)
-    assert_usage_error(done, needle, f"aioswap {args[0]}: error: argument")
-    assert "usage: aioswap" in done.stderr
+def test_bad_values(disk: Path, tmp_path: Path, args: list[str], needle: str) -> None:
+    flag = ["--dir", str(disk)] + (["--log-dir", str(tmp_path / "logs"), "--no-progress"]
+                                   if args[0] == "tune" else ["--size", "1M"]
+                                   if "--size" not in args[1] else [])
+    done = run_cli(args[0], *flag, *args[1:])
+    assert_usage_error(done, needle, f"aioswap {args[0]}: error:")
     assert listing(disk) == [] and not (tmp_path / "logs").exists()
 
 
@@ -512,14 +739,35 @@ def test_bad_size_in_process(disk: Path, capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--dir", str(disk), "--size", "0"])
     assert exc.value.code == 2
-    assert "size must be positive" in capsys.readouterr().err
+    assert "at least 1 MiB" in capsys.readouterr().err
+    assert listing(disk) == []
+
+
+def test_deepnvme_block_sizes_are_accepted(disk: Path) -> None:
+    """DeepNVMe takes any positive block size; so does bench (issue: 1000 was refused)."""
+    done = run_cli("bench", "--dir", disk, "--size", "1M", "--repeat", "1",
+                   "--block-size", "1000", "--json")
+    if done.returncode == 2 and "Invalid argument" in done.stderr:
+        pytest.xfail("this engine cuts O_DIRECT pieces at block_size; the engine rewrite "
+                     "rounds them to the file's alignment")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["config"]["block_size"] == 1000
     assert listing(disk) == []
 
 
 @pytest.mark.parametrize("flag", ["--output", "--plot"])
 def test_tune_bad_output_path_fails_before_sweeping(disk: Path, flag: str) -> None:
-    done = run_cli("tune", "--dir", disk, "--io-size", "4M", flag,
+    done = run_cli("tune", "--dir", disk, "--io-size", "8M", flag,
                    str(disk / "missing-dir" / "x.out"), "--no-progress")
-    assert done.returncode == 2, done.stderr
-    assert "directory does not exist" in done.stderr and "Traceback" not in done.stderr
+    assert_usage_error(done, "directory does not exist")
+    assert listing(disk) == []
+
+
+@pytest.mark.slow
+def test_tune_full_grid_default_size(disk: Path, tmp_path: Path) -> None:
+    """The default tune (fast search over the 672-point grid, 3 rounds) at 64 MiB."""
+    done = run_cli("tune", "--dir", disk, "--io-size", "64M", "--log-dir", tmp_path / "logs",
+                   "--no-progress", timeout=1800)
+    assert done.returncode == 0, done.stderr
+    assert_real_section(best_section(done.stdout))
     assert listing(disk) == []
