@@ -346,6 +346,7 @@ class Manifest:
         self.packs: dict[str, int] = {}
         self.seq = 0
         self.version = VERSION
+        self._published: object = None
         self._load()
 
     @property
@@ -366,7 +367,7 @@ class Manifest:
             raise
         if fd < 0:
             self._dir.keep_orphans()
-            self._publish(self.entries, self.packs)
+            self._publish(self.entries, self.packs, object())
             return
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -462,38 +463,37 @@ class Manifest:
                     old_files = self.referenced(self.entries)
                     new_files = self.referenced(new)
                     packs = {f: s for f, s in packs.items() if f in new_files}
-                published = False
+                marker = object()
+                error: BaseException | None = None
                 try:
-                    published = self._publish(new, packs)
+                    self._publish(new, packs, marker)
                 except BaseException as exc:
-                    published = getattr(exc, "_aioswap_published", False)
-                    if published:
-                        with self._lock:
-                            self.entries, self.packs = new, packs
-                    for c in batch:
-                        c.error, c.done = exc, True
-                        if not published:
-                            for f in c.files:
-                                self._dir.unlink(f)
-                else:
+                    error = exc
+                # set by _publish once the rename happened, even if an error came after it
+                published = self._published is marker
+                if published:
                     with self._lock:
                         self.entries, self.packs = new, packs
-                    for c in batch:
-                        c.done = True
-                        # files written by a change but overwritten in the same batch
-                        for f in c.files:
-                            if f not in new_files:
-                                self._dir.unlink(f)
+                for c in batch:
+                    c.error, c.done = error, True
+                    for f in c.files:
+                        # never published, or overwritten within the same batch
+                        if not published or f not in new_files:
+                            self._dir.unlink(f)
+                if published and error is None:
+                    # after an error the disk may hold either manifest: keep both versions'
+                    # files; the next open removes whichever the manifest there does not name
                     for f in sorted(old_files - new_files):
                         self._dir.unlink(f)
         if change.error is not None:
             raise change.error
 
-    def _publish(self, entries: Mapping[str, Entry], packs: Mapping[str, int]) -> bool:
-        """Write the manifest atomically; True once renamed into place.
+    def _publish(self, entries: Mapping[str, Entry], packs: Mapping[str, int],
+                 marker: object) -> None:
+        """Write the manifest atomically; ``self._published = marker`` once renamed into place.
 
-        An exception raised once the rename may have happened carries
-        ``_aioswap_published = True``.
+        The marker is set even when an error (or a signal) comes after the rename: the new
+        manifest is then what the directory holds, and its data must not be removed.
         """
         items = sorted(entries.values(), key=lambda e: e.seq)
         doc = {"format": FORMAT, "version": VERSION, "seq": self.seq,
@@ -515,20 +515,18 @@ class Manifest:
             self._dir.fsync()           # the data files it names are durable entries first
             renaming = True
             os.replace(tmp, self.path)
+            self._published = marker
+            self.version = VERSION
             self._dir.fsync()
-        except BaseException as exc:
+        except BaseException:
             # the rename happened iff the temporary name is gone (checked, not tracked: a
-            # signal may land between os.replace returning and any flag being set)
+            # signal may land between os.replace returning and the marker being set)
             if renaming and not os.path.lexists(tmp):
-                try:
-                    exc._aioswap_published = True       # type: ignore[attr-defined]
-                except AttributeError:                  # pragma: no cover
-                    pass
-                raise
-            self._dir.unlink(MANIFEST_TMP)
+                self._published = marker
+                self.version = VERSION
+            else:
+                self._dir.unlink(MANIFEST_TMP)
             raise
-        self.version = VERSION
-        return True
 
     def exclusive(self) -> threading.Lock:
         """The lock held while the manifest is written (hold it to keep writers out)."""

@@ -384,3 +384,18 @@ def test_for_rank_spreads_ranks_over_roots(tmp_dir: Path, monkeypatch) -> None:
         current_rank()
     with pytest.raises(ValueError, match="root"):
         TensorSwapper.for_rank([], rank=0, local_rank=0)
+
+
+def test_async_state_dicts_on_one_worker(tmp_dir: Path) -> None:
+    gen = _gen()
+    sds = [{f"t{i}": _rand((3000 + i,), torch.float32, gen) for i in range(10)}
+           for _ in range(3)]
+    with TensorSwapper(tmp_dir / "s", max_inflight=1) as sw:
+        outs = [sw.swap_out_state_dict(f"sd{j}/", sd, async_op=True)
+                for j, sd in enumerate(sds)]
+        assert [len(f.result(timeout=60)) for f in outs] == [10, 10, 10]
+        ins = [sw.swap_in_state_dict(f"sd{j}/", async_op=True) for j in range(3)]
+        for sd, f in zip(sds, ins):
+            _check(_snapshot(sd), f.result(timeout=60))
+        assert sw.wait() == 6
+        assert len(_packs(tmp_dir / "s")) == 3
