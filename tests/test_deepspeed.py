@@ -92,13 +92,28 @@ def test_install_before_import_patches_every_builder(tmp_path):
             funcs=[callable(getattr(mod, n)) for n in ("aio_read", "aio_write",
                                                          "deepspeed_memcpy")],
         )
+        # DeepSpeed's own pinned-memory manager (DS_PIN_MEMORY_BACKEND=native) on aioswap's
+        import gc, torch
+        from aioswap import pinned
+        from deepspeed.utils.pin_memory import get_active_native_pinned_memory
+        native = get_active_native_pinned_memory()
+        x = torch.randn(1000)
+        p = native.pin(x)
+        with mod.aio_handle() as h:
+            out["native"] = [bool(torch.equal(p, x)), native.is_pinned(p), pinned.is_pinned(p),
+                             h.is_pinned(p), native.unpin(p)]
+        q = native.pin_empty(x, (10, 100))
+        out["native_empty"] = [list(q.shape), pinned.is_pinned(q)]
+        del p, q
+        gc.collect()
+        out["native_left"] = pinned.stats().bytes_locked
         try:
             cuda_gds.GDSBuilder().load()
             out["gds_load"] = "loaded"
         except RuntimeError as exc:
             out["gds_load"] = str(exc)
         print("RESULT " + json.dumps(out))
-    """))
+    """), DS_PIN_MEMORY_BACKEND="native")
     assert res["first"] is True and res["again"] is True
     assert res["imported_early"] is False, "install() imported deepspeed"
     assert res["finders"] == 1
@@ -112,6 +127,9 @@ def test_install_before_import_patches_every_builder(tmp_path):
     assert "cannot provide the gds op" in res["gds_load"] and "cufile" in res["gds_load"]
     assert res["table"]["async_io"] is True and res["table"]["pin_memory"] is True
     assert res["table"][res["gds_name"]] is False
+    assert res["native"] == [True, True, True, True, True]
+    assert res["native_empty"] == [[10, 100], True]
+    assert res["native_left"] == 0          # freed by address once the tensors were collected
 
 
 @needs_deepspeed
