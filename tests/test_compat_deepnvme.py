@@ -453,3 +453,19 @@ def test_op_module_surface():
     for method in ("new_pinned_device_tensor", "free_pinned_device_tensor",
                    "pin_device_tensor", "unpin_device_tensor"):
         assert callable(getattr(deepnvme.gds_handle, method))
+
+
+def test_dropped_handle_closes_quietly(tmp_path):
+    """DeepSpeed never closes DeepNVMe handles: dropping one must not warn or leak."""
+    import warnings
+    f = tmp_path / "drop.bin"
+    ref = _ref_file(f)
+    h = deepnvme.aio_handle(BLOCK, QDEPTH, False, True, PARALLEL)
+    buf = torch.empty(IO_SIZE, dtype=torch.uint8)
+    assert h.async_pread(buf, str(f)) == 0
+    inner = h.handle
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del h
+        gc.collect()
+    assert inner.closed and _bytes(buf) == ref      # the queued read finished first

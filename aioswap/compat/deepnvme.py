@@ -296,6 +296,16 @@ class aio_handle:  # noqa: N801  (DeepNVMe's spelling)
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def __del__(self) -> None:
+        # DeepNVMe handles have no close(): DeepSpeed drops them and the destructor stops
+        # their threads. Do the same, without the unclosed-handle warning.
+        h = getattr(self, "_h", None)
+        if h is not None and not h.closed:
+            try:
+                h.close()
+            except Exception:
+                pass
+
     def _submit(self, fn: Callable[..., Any], buffer: Any, file: FileArg, validate: bool,
                 async_op: bool, file_offset: int) -> int:
         # One lock over submit-and-wait, as DeepNVMe's handle mutex: a synchronous call
