@@ -883,6 +883,7 @@ class TensorSwapper:
         """
         self._check_open()
         verify = self._verify if verify is None else bool(verify)
+
         def plan() -> list[_ReadPlan]:
             self._check_open()
             return self._plan_reads(items, device, verify)
@@ -1103,6 +1104,9 @@ class TensorSwapper:
                               for j in range(lanes)]
                 else:
                     prepare(active)
+                # hash once every read is queued: on a busy machine the hashing would
+                # otherwise take CPU from the lanes, and the reads would be queued later
+                concurrent.futures.wait(groups)
                 for p in active:
                     p.ready.wait()
                     if p.error is None:

@@ -9,10 +9,11 @@ bytes. ``--layers 12 --hidden 1024`` is the 576-tensor, 1.69 GiB (1.81 GB) case,
 
 Methods, in one run, alternating (the starting method rotates each round):
 
-* aioswap: ``TensorSwapper.swap_out_state_dict`` (packed, fsynced, manifest committed) /
-  ``swap_in_state_dict`` (checksums verified; fresh tensors page-locked within the default
-  budget), swapper opened and closed inside the timing; also loaded with ``verify=False`` to
-  show what verification costs;
+* aioswap: ``TensorSwapper.swap_out_state_dict(overwrite=True)`` (packed, fsynced, manifest
+  committed, the previous version's pack deleted) / ``swap_in_state_dict`` (checksums
+  verified; fresh tensors page-locked within the default budget), on one swap directory kept
+  open for the run, as a swapping job keeps it; also loaded with ``verify=False`` to show
+  what verification costs;
 * safetensors (when importable): ``save_file`` + fsync / ``load_file``;
 * torch: ``torch.save`` + fsync / ``torch.load(weights_only=True)``;
 * direct: the same bytes as one page-locked buffer, ``AioHandle.pwrite(fsync=True)`` / ``pread``
@@ -145,6 +146,8 @@ class Methods:
                  drop: str) -> None:
         self.h, self.sd, self.work, self.drop = h, sd, work, drop
         total = nbytes_of(sd)
+        # one swap area, as a swapping job keeps it: each save replaces the previous one
+        self.swapper = TensorSwapper(os.path.join(work, "aioswap"), handle=h)
         self.one = pinned.empty(total, torch.uint8)
         self.one_out = pinned.empty(total, torch.uint8)
         off = 0
@@ -154,26 +157,22 @@ class Methods:
             off += n
 
     def _aioswap(self, verify: bool) -> tuple[float, float]:
-        d = os.path.join(self.work, "aioswap")
-
-        def save() -> None:
-            with TensorSwapper(d, handle=self.h) as sw:
-                sw.swap_out_state_dict("", self.sd)
+        sw = self.swapper
+        w, _ = timed(lambda: sw.swap_out_state_dict("", self.sd, overwrite=True))
+        drop_cache(files_under(sw.directory), self.drop)
 
         def load() -> dict[str, torch.Tensor]:
-            with TensorSwapper(d, handle=self.h, verify=verify) as sw:
-                got = sw.swap_in_state_dict("")
+            got = sw.swap_in_state_dict("", verify=verify)
             touch(got)
             return got
 
-        w, _ = timed(save)
-        drop_cache(files_under(d), self.drop)
         r, got = timed(load)
         same(self.sd, got, "aioswap")
         del got
-        with TensorSwapper(d, handle=self.h) as sw:
-            sw.destroy()
         return w, r
+
+    def close(self) -> None:
+        self.swapper.destroy()
 
     def aioswap(self) -> tuple[float, float]:
         return self._aioswap(True)
@@ -285,13 +284,16 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [v.numel() * v.element_size() for v in sd.values()]
         with aioswap.AioHandle(block_size=a.block_size, queue_depth=a.queue_depth) as h:
             ms = Methods(h, sd, work, a.drop_caches)
-            for rnd in range(a.repeat):
-                order = names[rnd % len(names):] + names[:rnd % len(names)]
-                for name in order:
-                    w, r = getattr(ms, name)()
-                    times[name].append((w, r))
-                    log(f"round {rnd + 1}/{a.repeat}: {name}: save {total / w / GB:.2f} GB/s, "
-                        f"load {total / r / GB:.2f} GB/s")
+            try:
+                for rnd in range(a.repeat):
+                    order = names[rnd % len(names):] + names[:rnd % len(names)]
+                    for name in order:
+                        w, r = getattr(ms, name)()
+                        times[name].append((w, r))
+                        log(f"round {rnd + 1}/{a.repeat}: {name}: save {total / w / GB:.2f} "
+                            f"GB/s, load {total / r / GB:.2f} GB/s")
+            finally:
+                ms.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)     # the temporary directory made above
 
