@@ -6,7 +6,7 @@ from aioswap.errors import (AioswapError, AioswapWarning, ChecksumError, ConfigE
                             DirectIOUnsupportedError, HandleClosedError, PinnedMemoryError,
                             ShortReadError, SwapError)
 from aioswap.gds import GdsHandle
-from aioswap.handle import AioHandle, HandleStats, IOFuture
+from aioswap.handle import AioFile, AioHandle, HandleStats, IOFuture
 from aioswap.pinned import PinnedRegistry, is_pinned
 from aioswap.swap import SwapInfo, TensorSwapper
 
@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AioConfig",
     "AioContext",
+    "AioFile",
     "AioHandle",
     "AioswapError",
     "AioswapWarning",

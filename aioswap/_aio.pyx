@@ -9,13 +9,15 @@ the GIL released. Nothing here knows about torch: buffers are the buffer protoco
 addresses whose owners the caller keeps alive.
 """
 cimport aioswap._aio_abi as abi
+cimport aioswap._pthread as pt
+from aioswap._pthread cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from cpython.buffer cimport (PyBUF_ANY_CONTIGUOUS, PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_ND,
                              PyBUF_STRIDES,
                              PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer)
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
-from libc.errno cimport EAGAIN, EINTR, EINVAL, EIO, EISDIR, ENOSYS, errno
-from libc.stdint cimport int64_t, uint16_t, uint64_t
+from libc.errno cimport EAGAIN, EINTR, EINVAL, EIO, EISDIR, ENOSYS, EPERM, errno
+from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memset
 
 import os
@@ -34,13 +36,6 @@ cdef int _EAGAIN_RETRIES = 10000
 # How often a running transfer comes back to check for Python signal handlers.
 cdef double _SIGNAL_CHECK_S = 0.01
 
-cdef extern from "<time.h>" nogil:
-    ctypedef long time_t
-    struct timespec:
-        time_t tv_sec
-        long tv_nsec
-    int CLOCK_MONOTONIC
-    int clock_gettime(int clk, timespec* ts)
 
 
 cdef struct _Seg:
@@ -812,3 +807,1138 @@ cdef class LockedMemory:
 
     def __dealloc__(self):
         self._unmap()
+
+
+# ========================================================================================
+# The shared queue: many requests, one kernel context
+#
+# An AioQueue owns one kernel AIO context and ``depth`` iocb slots. Requests from any
+# thread are linked into one pending list; whoever holds the queue's mutex cuts the next
+# pieces of pending requests into free slots, and the pieces go to the kernel in one
+# io_submit. One thread at a time holds the reaping role: a sync caller waiting for its own
+# request, or the handle's completion thread (serve()) while asynchronous work is in flight.
+# Reaping accounts each completion to its request; a request finishes when its last piece is
+# reaped. No Python runs per piece.
+#
+# Pieces come in kinds:
+#   K_DIRECT     the caller's memory (or any memory on a buffered fd) straight to the kernel
+#   K_BREAD      read into a ring buffer, copied out when it lands (bounce and edge reads)
+#   K_BWRITE     copied into a ring buffer, then written
+#   K_RMW_READ   an edge block of a write (bytes of the block outside the request): read the
+#                block, patch the request's bytes in, then write it whole (K_RMW_WRITE);
+#                serialised per (file, block) across the process, so O_DIRECT writes to one
+#                file never go through the page cache and neighbours never lose bytes
+#   K_FSYNC      IOCB_CMD_FSYNC after a write's last piece (fsync=True)
+
+from libc.string cimport memcpy
+from posix.stat cimport fstat, struct_stat
+from posix.unistd cimport ftruncate, getpid
+from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
+from posix.uio cimport iovec
+
+cdef enum:
+    K_DIRECT = 0
+    K_BREAD = 1
+    K_BWRITE = 2
+    K_RMW_READ = 3
+    K_RMW_WRITE = 4
+    K_FSYNC = 5
+
+cdef enum:
+    ST_HEAD = 0
+    ST_MIDDLE = 1
+    ST_TAIL = 2
+    ST_FSYNC = 3
+    ST_DONE = 4
+
+MODE_DIRECT = 0     # pieces on the caller's memory, O_DIRECT alignment applies
+MODE_BOUNCE = 1     # every piece through the ring
+MODE_PLAIN = 2      # a buffered fd: no alignment, no ring
+
+# Most pieces one call cuts and submits; bounds stack arrays of submitters.
+DEF _BATCH = 64
+# Longest a waiter sleeps before it looks at Python signal handlers again.
+cdef long _TICK_NS = 10000000
+# While a piece waits for an edge block another queue holds, poll this often.
+cdef long _EDGE_POLL_NS = 200000
+
+
+cdef struct _FileCore:
+    int64_t logical_end         # largest end of the writes in flight (and the size before)
+    int active_writes
+
+
+cdef struct _Req:
+    int fd
+    uint16_t opcode
+    int mode
+    uint64_t addr
+    uint64_t nbytes
+    int64_t offset
+    uint64_t align
+    uint64_t block              # piece size on the caller's memory
+    uint64_t bblock             # piece size through the ring
+    _FileCore* file
+    bint fsync
+    bint sync
+    uint64_t head_end
+    uint64_t tail_start
+    int stage
+    uint64_t pos
+    int inflight
+    uint64_t done
+    int err
+    int64_t err_offset
+    uint64_t err_nbytes
+    bint eof
+    bint stop                   # cut nothing new: failed or cancelled
+    bint padded                 # an edge block past the end of the file was written whole
+    bint fixed
+    bint finished
+    bint queued
+    bint counted_write
+    PyObject* token
+    _Req* prev
+    _Req* next
+    _Req* done_next
+
+
+cdef struct _Slot:
+    abi.iocb cb
+    _Req* req
+    int kind
+    int buf
+    int lock
+    bint fresh
+    bint pads
+    int err
+    bint eof
+    uint64_t uaddr
+    uint64_t ulen
+    uint64_t skip
+    uint64_t span
+    uint64_t got
+    int64_t foff
+
+
+cdef struct _Q:
+    abi.aio_context_t ctx
+    int depth
+    _Slot* slots
+    int* free_slots
+    int nfree
+    int inflight                # slots taken (cut and not yet accounted)
+    char* ring
+    uint64_t bufsize
+    int nbuf
+    int* free_bufs
+    int nfreebuf
+    _Req* pend_head
+    _Req* pend_tail
+    _Req* done_head
+    _Req* done_tail
+    int ndone
+    int nasync                  # asynchronous requests not finished: the completion thread
+                                # reaps only for them, sync callers reap for themselves
+    double done_since           # when the oldest undelivered request finished
+    int* retry                  # cut, not yet accepted by io_submit (EAGAIN)
+    int nretry
+    int* rscratch               # the reaper's: slots to launch
+    abi.io_event* events
+    bint reaping
+    bint closing
+    bint edge_blocked
+    bint single_submit
+    bint overlap
+    int broken                  # errno of a failed io_getevents: nothing more can be reaped
+    int waiters
+    pt.pthread_mutex_t mu
+    pt.pthread_cond_t cv
+
+
+# ---- the process-wide table of edge blocks being read-modified-written
+
+cdef struct _Edge:
+    void* file
+    int64_t block
+
+DEF _NEDGES = 1024
+cdef _Edge _edges[_NEDGES]
+cdef pt.pthread_mutex_t _edge_mu
+pt.pthread_mutex_init(&_edge_mu, NULL)
+memset(_edges, 0, sizeof(_edges))
+
+
+cdef int _edge_take(void* file, int64_t block) noexcept nogil:
+    """Lock (file, block) for a read-modify-write; -1 when another holds it (or full)."""
+    cdef int i, free_i = -1
+    pt.pthread_mutex_lock(&_edge_mu)
+    for i in range(_NEDGES):
+        if _edges[i].file == NULL:
+            if free_i < 0:
+                free_i = i
+        elif _edges[i].file == file and _edges[i].block == block:
+            pt.pthread_mutex_unlock(&_edge_mu)
+            return -1
+    if free_i >= 0:
+        _edges[free_i].file = file
+        _edges[free_i].block = block
+    pt.pthread_mutex_unlock(&_edge_mu)
+    return free_i
+
+
+cdef void _edge_give(int i) noexcept nogil:
+    pt.pthread_mutex_lock(&_edge_mu)
+    _edges[i].file = NULL
+    pt.pthread_mutex_unlock(&_edge_mu)
+
+
+cdef inline double _mono() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef void _timedwait(_Q* q, long ns) noexcept nogil:
+    """Wait on q.cv (q.mu held) for at most ``ns`` nanoseconds."""
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    ts.tv_nsec += ns
+    while ts.tv_nsec >= 1000000000:
+        ts.tv_nsec -= 1000000000
+        ts.tv_sec += 1
+    q.waiters += 1
+    pt.pthread_cond_timedwait(&q.cv, &q.mu, &ts)
+    q.waiters -= 1
+
+
+cdef inline void _wake(_Q* q) noexcept nogil:
+    if q.waiters:
+        pt.pthread_cond_broadcast(&q.cv)
+
+
+cdef inline void _set_err(_Req* r, int err, int64_t off, uint64_t n) noexcept nogil:
+    if r.err == 0 and not r.eof:
+        r.err = err
+        r.err_offset = off
+        r.err_nbytes = n
+    r.stop = True
+
+
+cdef void _unlink(_Q* q, _Req* r) noexcept nogil:
+    if not r.queued:
+        return
+    if r.prev != NULL:
+        r.prev.next = r.next
+    else:
+        q.pend_head = r.next
+    if r.next != NULL:
+        r.next.prev = r.prev
+    else:
+        q.pend_tail = r.prev
+    r.prev = NULL
+    r.next = NULL
+    r.queued = False
+
+
+cdef void _fixup(_Req* r) noexcept nogil:
+    """A padded edge block may have grown the file past the data: cut it back."""
+    cdef struct_stat st
+    cdef int e = 0
+    pt.pthread_mutex_lock(&_edge_mu)
+    if fstat(r.fd, &st) != 0:
+        e = errno
+    elif st.st_size > r.file.logical_end:
+        if ftruncate(r.fd, r.file.logical_end) != 0:
+            e = errno
+    pt.pthread_mutex_unlock(&_edge_mu)
+    if e:
+        _set_err(r, e, r.file.logical_end, 0)
+
+
+cdef void _maybe_finish(_Q* q, _Req* r) noexcept nogil:
+    """q.mu held: finish ``r`` when nothing of it is in flight and nothing is left to cut."""
+    if r.inflight > 0 or r.finished:
+        return
+    if not r.stop and r.stage < ST_FSYNC:
+        return
+    if r.padded and not r.fixed and r.file != NULL:
+        r.fixed = True
+        _fixup(r)
+    if not r.stop and r.stage == ST_FSYNC and r.fsync:
+        return                              # its fsync piece is cut next
+    _unlink(q, r)
+    r.finished = True
+    if r.counted_write:
+        pt.pthread_mutex_lock(&_edge_mu)
+        r.file.active_writes -= 1
+        pt.pthread_mutex_unlock(&_edge_mu)
+        r.counted_write = False
+    if not r.sync:
+        q.nasync -= 1
+        r.done_next = NULL
+        if q.done_tail != NULL:
+            q.done_tail.done_next = r
+        else:
+            q.done_head = r
+            q.done_since = _mono()
+        q.done_tail = r
+        q.ndone += 1
+    _wake(q)
+
+
+cdef int _cut_one(_Q* q, _Req* r) noexcept nogil:
+    """q.mu held: cut the next piece of ``r`` into a free slot; its index, or -1."""
+    cdef bint write = r.opcode == abi.IOCB_CMD_PWRITE
+    cdef int kind, s, b = -1, lk = -1, nstage
+    cdef uint64_t uaddr = 0, ulen = 0, skip = 0, span = 0, n
+    cdef int64_t foff = 0
+    cdef _Slot* sl
+    if q.nfree == 0 or r.stop:
+        return -1
+    while True:
+        if r.stage == ST_HEAD:
+            if r.head_end == 0:
+                r.stage = ST_MIDDLE
+                continue
+            skip = <uint64_t>r.offset % r.align
+            foff = r.offset - <int64_t>skip
+            span = r.align
+            uaddr = r.addr
+            ulen = r.head_end
+            kind = K_RMW_READ if write else K_BREAD
+            nstage = ST_MIDDLE
+            break
+        elif r.stage == ST_MIDDLE:
+            if r.pos < r.head_end:
+                r.pos = r.head_end
+            if r.pos >= r.tail_start:
+                r.stage = ST_TAIL
+                continue
+            n = r.tail_start - r.pos
+            if r.mode == 1:             # MODE_BOUNCE
+                if n > r.bblock:
+                    n = r.bblock
+                kind = K_BWRITE if write else K_BREAD
+            else:
+                if n > r.block:
+                    n = r.block
+                kind = K_DIRECT
+            foff = r.offset + <int64_t>r.pos
+            uaddr = r.addr + r.pos
+            ulen = n
+            span = n
+            skip = 0
+            nstage = ST_MIDDLE
+            break
+        elif r.stage == ST_TAIL:
+            if r.tail_start >= r.nbytes:
+                r.stage = ST_FSYNC
+                continue
+            foff = r.offset + <int64_t>r.tail_start
+            span = r.align
+            uaddr = r.addr + r.tail_start
+            ulen = r.nbytes - r.tail_start
+            skip = 0
+            kind = K_RMW_READ if write else K_BREAD
+            nstage = ST_FSYNC
+            break
+        elif r.stage == ST_FSYNC:
+            if not r.fsync:
+                r.stage = ST_DONE
+                continue
+            if r.inflight > 0:
+                return -1
+            if r.padded and not r.fixed and r.file != NULL:
+                r.fixed = True
+                _fixup(r)
+                if r.stop:
+                    return -1
+            kind = K_FSYNC
+            nstage = ST_DONE
+            break
+        else:
+            return -1
+    if kind == K_BREAD or kind == K_BWRITE or kind == K_RMW_READ:
+        if q.nfreebuf == 0:
+            return -1
+        if kind == K_RMW_READ:
+            lk = _edge_take(<void*>r.file, foff)
+            if lk < 0:
+                q.edge_blocked = True
+                return -1
+        q.nfreebuf -= 1
+        b = q.free_bufs[q.nfreebuf]
+    q.nfree -= 1
+    s = q.free_slots[q.nfree]
+    sl = &q.slots[s]
+    memset(sl, 0, sizeof(_Slot))
+    sl.req = r
+    sl.kind = kind
+    sl.buf = b
+    sl.lock = lk
+    sl.fresh = True
+    sl.uaddr = uaddr
+    sl.ulen = ulen
+    sl.skip = skip
+    sl.span = span
+    sl.foff = foff
+    sl.cb.aio_data = <uint64_t>s
+    sl.cb.aio_fildes = <uint32_t>r.fd
+    if kind == K_FSYNC:
+        sl.cb.aio_lio_opcode = abi.IOCB_CMD_FSYNC
+    else:
+        sl.cb.aio_lio_opcode = abi.IOCB_CMD_PREAD if kind == K_RMW_READ else r.opcode
+        sl.cb.aio_buf = uaddr if b < 0 else <uint64_t>(q.ring + <uint64_t>b * q.bufsize)
+        sl.cb.aio_nbytes = span
+        sl.cb.aio_offset = foff
+    r.inflight += 1
+    q.inflight += 1
+    if kind == K_DIRECT or kind == K_BWRITE or (kind == K_BREAD and r.stage == ST_MIDDLE):
+        r.pos += ulen
+    else:
+        r.stage = nstage
+    return s
+
+
+cdef int _cut(_Q* q, int* out, int maxn) noexcept nogil:
+    """q.mu held: cut pieces of pending requests into free slots; how many."""
+    cdef int n = 0, k, scanned = 0
+    cdef _Req* r = q.pend_head
+    cdef _Req* nxt
+    if not q.overlap and q.inflight > 0:
+        return 0
+    q.edge_blocked = False
+    while r != NULL and n < maxn and q.nfree > 0 and scanned < _BATCH:
+        k = _cut_one(q, r)
+        if k >= 0:
+            out[n] = k
+            n += 1
+            continue
+        nxt = r.next
+        if r.stop or r.stage == ST_DONE:
+            _unlink(q, r)
+            _maybe_finish(q, r)
+        else:
+            scanned += 1
+        r = nxt
+    return n
+
+
+cdef void _account(_Q* q, int s) noexcept nogil:
+    """q.mu held: a piece is over; give back its slot, buffer and edge lock."""
+    cdef _Slot* sl = &q.slots[s]
+    cdef _Req* r = sl.req
+    if sl.err:
+        _set_err(r, sl.err, <int64_t>sl.cb.aio_offset, sl.cb.aio_nbytes)
+    elif sl.eof:
+        if r.err == 0 and not r.eof:
+            r.eof = True
+            r.err_offset = sl.foff
+            r.err_nbytes = sl.span
+        r.stop = True
+    elif sl.kind != K_FSYNC:
+        r.done += sl.ulen
+    if sl.pads:
+        r.padded = True
+    if sl.buf >= 0:
+        q.free_bufs[q.nfreebuf] = sl.buf
+        q.nfreebuf += 1
+    if sl.lock >= 0:
+        _edge_give(sl.lock)
+    sl.req = NULL
+    q.free_slots[q.nfree] = s
+    q.nfree += 1
+    q.inflight -= 1
+    r.inflight -= 1
+    if r.inflight == 0:
+        _maybe_finish(q, r)
+
+
+cdef bint _complete(_Q* q, int s, int64_t res) noexcept nogil:
+    """Reaper, without q.mu: look at one completion. True when the piece goes again."""
+    cdef _Slot* sl = &q.slots[s]
+    cdef _Req* r = sl.req
+    cdef uint64_t got, need
+    cdef char* buf = NULL
+    if sl.buf >= 0:
+        buf = q.ring + <uint64_t>sl.buf * q.bufsize
+    if res < 0:
+        sl.err = <int>-res
+        return False
+    if sl.kind == K_FSYNC:
+        return False
+    got = sl.got + <uint64_t>res
+    if sl.kind == K_RMW_READ:
+        if got < sl.span and res > 0 and got % r.align == 0:
+            _again(sl, res)
+            return True
+        if got < sl.span:                   # the block runs past the end of the file
+            memset(buf + got, 0, sl.span - got)
+            sl.pads = True
+        memcpy(buf + sl.skip, <void*>sl.uaddr, sl.ulen)
+        sl.kind = K_RMW_WRITE
+        sl.got = 0
+        sl.cb.aio_lio_opcode = abi.IOCB_CMD_PWRITE
+        sl.cb.aio_buf = <uint64_t>buf
+        sl.cb.aio_nbytes = sl.span
+        sl.cb.aio_offset = sl.foff
+        return True
+    if sl.kind == K_BREAD:
+        need = sl.skip + sl.ulen
+        if got < need:
+            if res == 0 or got % r.align != 0:
+                sl.eof = True
+                return False
+            _again(sl, res)
+            return True
+        memcpy(<void*>sl.uaddr, buf + sl.skip, sl.ulen)
+        return False
+    # K_DIRECT, K_BWRITE, K_RMW_WRITE: all of span must move
+    if got < sl.span:
+        if res == 0:
+            if r.opcode == abi.IOCB_CMD_PWRITE:
+                sl.err = EIO                # a write that moves nothing would loop forever
+            else:
+                sl.eof = True
+            return False
+        if r.opcode == abi.IOCB_CMD_PREAD and r.align > 1 and got % r.align != 0:
+            sl.eof = True                   # O_DIRECT reads come back unaligned only at EOF
+            return False
+        _again(sl, res)
+        return True
+    return False
+
+
+cdef inline void _again(_Slot* sl, int64_t res) noexcept nogil:
+    """Resubmit the rest of a short transfer."""
+    sl.got += <uint64_t>res
+    sl.cb.aio_buf += <uint64_t>res
+    sl.cb.aio_nbytes -= <uint64_t>res
+    sl.cb.aio_offset += res
+
+
+cdef void _launch(_Q* q, int* slots, int n) noexcept nogil:
+    """Without q.mu: fill fresh bounce writes, then io_submit the pieces."""
+    cdef abi.iocb* ptrs[_BATCH]
+    cdef int i = 0, j, k, cnt, e, base = 0
+    cdef long ret
+    cdef _Slot* sl
+    while base < n:
+        cnt = n - base
+        if cnt > _BATCH:
+            cnt = _BATCH
+        for j in range(cnt):
+            sl = &q.slots[slots[base + j]]
+            if sl.fresh and sl.kind == K_BWRITE:
+                memcpy(q.ring + <uint64_t>sl.buf * q.bufsize, <void*>sl.uaddr, sl.ulen)
+            sl.fresh = False
+            ptrs[j] = &sl.cb
+        i = 0
+        while i < cnt:
+            k = 1 if q.single_submit else cnt - i
+            ret = abi.syscall(abi.SYS_io_submit, q.ctx, <long>k, &ptrs[i])
+            if ret > 0:
+                i += <int>ret
+                continue
+            e = errno if ret < 0 else EAGAIN
+            if e == EAGAIN or e == EINTR:
+                # the kernel queue (or the system's aio-nr) is full: the reaper resubmits
+                pt.pthread_mutex_lock(&q.mu)
+                for j in range(i, cnt):
+                    q.retry[q.nretry] = <int>ptrs[j].aio_data
+                    q.nretry += 1
+                for j in range(base + cnt, n):
+                    q.retry[q.nretry] = slots[j]
+                    q.nretry += 1
+                _wake(q)
+                pt.pthread_mutex_unlock(&q.mu)
+                return
+            pt.pthread_mutex_lock(&q.mu)
+            q.slots[<int>ptrs[i].aio_data].err = e
+            _account(q, <int>ptrs[i].aio_data)
+            pt.pthread_mutex_unlock(&q.mu)
+            i += 1
+        base += cnt
+
+
+cdef void _feed(_Q* q) noexcept nogil:
+    """Without q.mu: cut and submit everything that can go now."""
+    cdef int prep[_BATCH]
+    cdef int n
+    while True:
+        pt.pthread_mutex_lock(&q.mu)
+        n = _cut(q, prep, _BATCH)
+        pt.pthread_mutex_unlock(&q.mu)
+        if n == 0:
+            return
+        _launch(q, prep, n)
+        if n < _BATCH:
+            return
+
+
+cdef int _q_reap(_Q* q, long timeout_ns) noexcept nogil:
+    """Holder of the reaping role, without q.mu: one round of resubmit, wait, account, cut.
+
+    Returns 0, or an errno when io_getevents itself failed (the queue is broken then).
+    """
+    cdef timespec ts
+    cdef long ret, k, min_nr
+    cdef int n = 0, s, nretry, i, submitted, nfin
+    cdef int* launch = q.rscratch
+    pt.pthread_mutex_lock(&q.mu)
+    nretry = q.nretry
+    for i in range(nretry):
+        launch[i] = q.retry[i]
+    q.nretry = 0
+    n = nretry + _cut(q, launch + nretry, q.depth - nretry)
+    pt.pthread_mutex_unlock(&q.mu)
+    if n:
+        _launch(q, launch, n)
+    pt.pthread_mutex_lock(&q.mu)
+    submitted = q.inflight - q.nretry
+    if submitted <= 0:
+        if q.edge_blocked or q.nretry:
+            _timedwait(q, _EDGE_POLL_NS)
+        pt.pthread_mutex_unlock(&q.mu)
+        return 0
+    min_nr = 1 if q.overlap else submitted
+    pt.pthread_mutex_unlock(&q.mu)
+    ts.tv_sec = timeout_ns // 1000000000
+    ts.tv_nsec = timeout_ns % 1000000000
+    ret = abi.syscall(abi.SYS_io_getevents, q.ctx, min_nr, <long>q.depth, q.events, &ts)
+    if ret < 0:
+        if errno == EINTR:
+            return 0
+        return errno
+    # pieces that go again fill `launch` from the front, finished ones from the back
+    n = 0
+    nfin = 0
+    for k in range(ret):
+        s = <int>q.events[k].data
+        if _complete(q, s, <int64_t>q.events[k].res):
+            launch[n] = s
+            n += 1
+        else:
+            launch[q.depth - 1 - nfin] = s
+            nfin += 1
+    pt.pthread_mutex_lock(&q.mu)
+    for k in range(nfin):
+        _account(q, launch[q.depth - 1 - k])
+    n += _cut(q, launch + n, q.depth - n)
+    pt.pthread_mutex_unlock(&q.mu)
+    if n:
+        _launch(q, launch, n)
+    return 0
+
+
+cdef bint _has_work(_Q* q) noexcept nogil:
+    return q.inflight > 0 or q.pend_head != NULL or q.nretry > 0
+
+
+cdef void _break(_Q* q, int e) noexcept nogil:
+    """q.mu held: io_getevents failed, so completions can no longer be told apart.
+
+    io_destroy waits for every iocb the kernel holds, so after it no memory of any request
+    is written; then every request fails with ``e``.
+    """
+    cdef int s
+    cdef _Req* r
+    cdef _Req* nxt
+    if q.broken:
+        return
+    q.broken = e
+    if q.ctx:
+        abi.syscall(abi.SYS_io_destroy, q.ctx)
+        q.ctx = 0
+    q.nretry = 0
+    for s in range(q.depth):
+        if q.slots[s].req != NULL:
+            q.slots[s].err = e
+            _account(q, s)
+    r = q.pend_head
+    while r != NULL:
+        nxt = r.next
+        _set_err(r, e, r.offset, r.nbytes)
+        _maybe_finish(q, r)
+        r = nxt
+
+
+cdef int _wait_req(_Q* q, _Req* r, double budget) noexcept nogil:
+    """Drive or wait until ``r`` is finished: 0, or 1 when ``budget`` seconds passed."""
+    cdef double deadline = _mono() + budget
+    cdef int e
+    pt.pthread_mutex_lock(&q.mu)
+    while not r.finished:
+        if q.broken:
+            r.finished = True               # nothing will ever complete it
+            _set_err(r, q.broken, r.offset, r.nbytes)
+            _unlink(q, r)
+            break
+        if not q.reaping and _has_work(q):
+            q.reaping = True
+            pt.pthread_mutex_unlock(&q.mu)
+            e = _q_reap(q, _TICK_NS)
+            pt.pthread_mutex_lock(&q.mu)
+            q.reaping = False
+            if e:
+                _break(q, e)
+            _wake(q)
+        else:
+            _timedwait(q, _TICK_NS)
+        if not r.finished and _mono() > deadline:
+            pt.pthread_mutex_unlock(&q.mu)
+            return 1
+    pt.pthread_mutex_unlock(&q.mu)
+    return 0
+
+
+# Finished asynchronous requests are handed to Python (which needs the GIL) in batches:
+# when the queue goes idle, when half a queue's worth is waiting, or after this long. The
+# submitting thread then keeps the GIL while it queues a burst, instead of trading it with
+# the completion thread after every request.
+cdef double _COALESCE_S = 0.0002
+
+
+cdef int _serve(_Q* q, _Req** out) noexcept nogil:
+    """The completion thread: reap while asynchronous work is in flight; return finished
+    asynchronous requests (linked through done_next), or -1 once closing and idle."""
+    cdef int e
+    cdef double wait_s
+    cdef long ns
+    pt.pthread_mutex_lock(&q.mu)
+    while True:
+        wait_s = 0.1
+        if q.done_head != NULL:
+            wait_s = q.done_since + _COALESCE_S - _mono()
+            if (wait_s <= 0 or not _has_work(q) or q.closing or q.broken
+                    or q.ndone * 2 >= q.depth):
+                out[0] = q.done_head
+                q.done_head = NULL
+                q.done_tail = NULL
+                q.ndone = 0
+                pt.pthread_mutex_unlock(&q.mu)
+                return 1
+        elif q.closing and not _has_work(q):
+            pt.pthread_mutex_unlock(&q.mu)
+            return -1
+        ns = <long>(wait_s * 1e9)
+        if ns < 20000:
+            ns = 20000
+        if not q.reaping and q.nasync > 0 and not q.broken:
+            q.reaping = True
+            pt.pthread_mutex_unlock(&q.mu)
+            e = _q_reap(q, ns)
+            pt.pthread_mutex_lock(&q.mu)
+            q.reaping = False
+            if e:
+                _break(q, e)
+            _wake(q)
+            continue
+        _timedwait(q, ns)
+
+
+cdef class FileState:
+    """What every request on one file (inode) of this process shares.
+
+    Edge blocks of writes are locked per ``FileState``, and the largest end of the writes in
+    flight lives here, so that a padded edge block never leaves the file longer than its
+    data. Make one per inode (the handle keeps a process-wide map).
+    """
+    cdef _FileCore core
+    cdef object __weakref__
+
+    def __cinit__(self):
+        self.core.logical_end = 0
+        self.core.active_writes = 0
+
+    @property
+    def active_writes(self):
+        return self.core.active_writes
+
+
+cdef class AioQueue:
+    """One kernel AIO context shared by every request of a handle lane.
+
+    Parameters
+    ----------
+    depth : int
+        Most iocbs in flight at once, across all requests (1..65535).
+    single_submit : bool
+        One iocb per ``io_submit`` call.
+    overlap_events : bool
+        Sliding window (True) or submit a batch and reap it whole (False).
+
+    Notes
+    -----
+    ``submit`` links a request into the queue and submits what can go at once; ``wait``
+    (sync callers) drives the queue until that request is finished; ``serve`` (one
+    completion thread) reaps while asynchronous requests are in flight and returns the
+    finished ones. The memory of a request must stay valid until it is finished: ``wait``
+    returns or raises only after the kernel is done with every piece of it, also when a
+    signal handler raises.
+    """
+    cdef _Q q
+    cdef bint _ready
+    cdef object _ring_owner
+    cdef long _pid
+    cdef object __weakref__
+
+    def __cinit__(self):
+        memset(&self.q, 0, sizeof(_Q))
+        self._ready = False
+        self._ring_owner = None
+
+    def __init__(self, int depth, *, bint single_submit=False, bint overlap_events=True):
+        cdef long ret
+        cdef abi.aio_context_t ctx = 0
+        cdef pt.pthread_condattr_t attr
+        cdef int i
+        if self._ready:
+            raise RuntimeError("AioQueue is already initialised")
+        if depth < 1 or depth > MAX_DEPTH:
+            raise ValueError(f"queue depth must be in 1..{MAX_DEPTH}, got {depth}")
+        q = &self.q
+        q.slots = <_Slot*>PyMem_RawMalloc(depth * sizeof(_Slot))
+        q.free_slots = <int*>PyMem_RawMalloc(depth * sizeof(int))
+        q.retry = <int*>PyMem_RawMalloc(depth * sizeof(int))
+        q.rscratch = <int*>PyMem_RawMalloc(depth * sizeof(int))
+        q.events = <abi.io_event*>PyMem_RawMalloc(depth * sizeof(abi.io_event))
+        if not (q.slots and q.free_slots and q.retry and q.rscratch and q.events):
+            self._free_arrays()
+            raise MemoryError(f"cannot allocate an AIO queue of depth {depth}")
+        memset(q.slots, 0, depth * sizeof(_Slot))
+        with nogil:
+            ret = abi.syscall(abi.SYS_io_setup, <unsigned int>depth, &ctx)
+        if ret < 0:
+            e = errno
+            self._free_arrays()
+            raise OSError(e, f"io_setup({depth}) failed: {os.strerror(e)}{_aio_limits_hint(e)}")
+        q.ctx = ctx
+        q.depth = depth
+        for i in range(depth):
+            q.free_slots[i] = depth - 1 - i
+        q.nfree = depth
+        q.single_submit = single_submit
+        q.overlap = overlap_events
+        pt.pthread_mutex_init(&q.mu, NULL)
+        pt.pthread_condattr_init(&attr)
+        pt.pthread_condattr_setclock(&attr, CLOCK_MONOTONIC)
+        pt.pthread_cond_init(&q.cv, &attr)
+        pt.pthread_condattr_destroy(&attr)
+        self._pid = getpid()
+        self._ready = True
+
+    cdef void _free_arrays(self) noexcept:
+        q = &self.q
+        PyMem_RawFree(q.slots)
+        PyMem_RawFree(q.free_slots)
+        PyMem_RawFree(q.retry)
+        PyMem_RawFree(q.rscratch)
+        PyMem_RawFree(q.events)
+        PyMem_RawFree(q.free_bufs)
+        q.slots = NULL
+        q.free_slots = NULL
+        q.retry = NULL
+        q.rscratch = NULL
+        q.events = NULL
+        q.free_bufs = NULL
+
+    @property
+    def depth(self):
+        return self.q.depth
+
+    @property
+    def ring_buffers(self):
+        """Ring buffers attached (0 until :meth:`attach_ring`)."""
+        return self.q.nbuf
+
+    @property
+    def ring_buffer_bytes(self):
+        return self.q.bufsize
+
+    @property
+    def inflight(self):
+        """Pieces cut and not yet reaped."""
+        return self.q.inflight
+
+    @property
+    def closed(self):
+        return not self._ready
+
+    def __repr__(self):
+        if not self._ready:
+            return "<aioswap._aio.AioQueue closed>"
+        return (f"<aioswap._aio.AioQueue depth={self.q.depth} inflight={self.q.inflight} "
+                f"ring={self.q.nbuf}x{self.q.bufsize}>")
+
+    cdef _check(self):
+        if not self._ready:
+            raise HandleClosedError("I/O on a closed AioQueue")
+        if self._pid != getpid():
+            raise RuntimeError("this AioQueue was created in another process (before a "
+                               "fork); create a new handle in the child")
+        if self.q.broken:
+            raise OSError(self.q.broken, f"the AIO queue is broken (io_getevents failed: "
+                                         f"{os.strerror(self.q.broken)}); make a new handle")
+
+    def attach_ring(self, owner, size_t address, Py_ssize_t bufsize, int nbuf):
+        """Give the queue ``nbuf`` bounce buffers of ``bufsize`` bytes at ``address``.
+
+        ``owner`` (the memory) is kept alive as long as the queue. Once only.
+        """
+        cdef int i
+        self._check()
+        if self.q.nbuf:
+            raise RuntimeError("the ring is already attached")
+        if bufsize <= 0 or nbuf <= 0 or bufsize % 512 or address % 512:
+            raise ValueError(f"bad ring: {nbuf} buffers of {bufsize} bytes at {address:#x}")
+        fb = <int*>PyMem_RawMalloc(nbuf * sizeof(int))
+        if fb == NULL:
+            raise MemoryError()
+        for i in range(nbuf):
+            fb[i] = nbuf - 1 - i
+        self._ring_owner = owner
+        pt.pthread_mutex_lock(&self.q.mu)
+        self.q.free_bufs = fb
+        self.q.ring = <char*>address
+        self.q.bufsize = <uint64_t>bufsize
+        self.q.nfreebuf = nbuf
+        self.q.nbuf = nbuf
+        pt.pthread_mutex_unlock(&self.q.mu)
+
+    def submit(self, int fd, bint write, size_t addr, uint64_t nbytes, int64_t offset,
+               int mode, uint64_t align, uint64_t block, FileState file=None,
+               int64_t size=0, bint fsync=False, bint sync=False, object token=None):
+        """Queue one request and submit what can go now; returns its id.
+
+        ``mode`` is MODE_DIRECT, MODE_BOUNCE or MODE_PLAIN; ``align`` the file's O_DIRECT
+        offset alignment (1 for MODE_PLAIN); ``block`` the piece size (a multiple of
+        ``align``; ring pieces are capped at the ring's buffer size). Writes that are not
+        aligned at both ends need ``file`` (edge blocks are locked per file) and ``size``
+        (the file's size now). A sync request is finished with :meth:`wait`; an asynchronous
+        one comes back from :meth:`serve` with ``token``.
+        """
+        cdef _Req* r
+        cdef uint64_t te, hs
+        cdef bint edges
+        self._check()
+        if mode < 0 or mode > 2:
+            raise ValueError(f"bad mode {mode}")
+        if offset < 0:
+            raise ValueError(f"negative file offset {offset}")
+        if mode == 2:
+            align = 1
+        if align < 1 or block < align or block % align:
+            raise ValueError(f"block {block} must be a positive multiple of the alignment "
+                             f"{align}")
+        hs = <uint64_t>offset % align
+        te = (<uint64_t>offset + nbytes) % align
+        edges = mode != 2 and nbytes > 0 and (hs != 0 or te != 0)
+        if (edges or (mode == 1 and nbytes > 0)) and self.q.nbuf == 0:
+            raise RuntimeError("this request needs bounce buffers: attach_ring() first")
+        if edges and <uint64_t>self.q.bufsize < align:
+            raise ValueError(f"ring buffers of {self.q.bufsize} bytes are smaller than the "
+                             f"alignment {align}")
+        if edges and write and file is None:
+            raise ValueError("an unaligned write needs its FileState")
+        r = <_Req*>PyMem_RawMalloc(sizeof(_Req))
+        if r == NULL:
+            raise MemoryError()
+        memset(r, 0, sizeof(_Req))
+        r.fd = fd
+        r.opcode = abi.IOCB_CMD_PWRITE if write else abi.IOCB_CMD_PREAD
+        r.mode = mode
+        r.addr = addr
+        r.nbytes = nbytes
+        r.offset = offset
+        r.align = align
+        r.block = block
+        r.bblock = block
+        if mode != 2 and self.q.nbuf and r.bblock > self.q.bufsize:
+            r.bblock = self.q.bufsize // align * align
+        r.fsync = fsync and write
+        r.sync = sync
+        if mode == 2:
+            r.head_end = 0
+            r.tail_start = nbytes
+        else:
+            r.head_end = 0 if hs == 0 else min(nbytes, align - hs)
+            # te > nbytes: the request starts and ends inside one block (the head covers it)
+            r.tail_start = nbytes - te if te <= nbytes else 0
+            if r.tail_start < r.head_end:
+                r.tail_start = r.head_end
+        if file is not None:
+            r.file = &file.core
+            if write:
+                pt.pthread_mutex_lock(&_edge_mu)
+                if r.file.active_writes == 0:
+                    r.file.logical_end = size
+                if offset + <int64_t>nbytes > r.file.logical_end:
+                    r.file.logical_end = offset + <int64_t>nbytes
+                r.file.active_writes += 1
+                pt.pthread_mutex_unlock(&_edge_mu)
+                r.counted_write = True
+        if token is not None:
+            Py_INCREF(token)
+            r.token = <PyObject*>token
+        r.stage = ST_HEAD
+        r.queued = True
+        q = &self.q
+        with nogil:
+            pt.pthread_mutex_lock(&q.mu)
+            if not sync:
+                q.nasync += 1
+            r.prev = q.pend_tail
+            if q.pend_tail != NULL:
+                q.pend_tail.next = r
+            else:
+                q.pend_head = r
+            q.pend_tail = r
+            pt.pthread_mutex_unlock(&q.mu)
+            _feed(q)
+            if not sync:                    # the completion thread reaps for it
+                pt.pthread_mutex_lock(&q.mu)
+                _wake(q)
+                pt.pthread_mutex_unlock(&q.mu)
+        return <size_t>r
+
+    def cancel(self, size_t rid):
+        """Cut nothing more of a request; what is in flight still completes."""
+        cdef _Req* r = <_Req*>rid
+        pt.pthread_mutex_lock(&self.q.mu)
+        if not r.finished:
+            r.stop = True
+            if r.inflight == 0:
+                _unlink(&self.q, r)
+                _maybe_finish(&self.q, r)
+        pt.pthread_mutex_unlock(&self.q.mu)
+
+    def wait(self, size_t rid):
+        """Finish a sync request: ``(done, err, err_offset, err_nbytes, eof)``.
+
+        Python signal handlers run every 10 ms; when one raises, the request is cancelled,
+        its pieces in flight are drained (nothing writes its memory afterwards), and the
+        exception propagates.
+        """
+        cdef _Req* r = <_Req*>rid
+        cdef int rc
+        while True:
+            with nogil:
+                rc = _wait_req(&self.q, r, 0.01)
+            if rc == 0:
+                break
+            try:
+                PyErr_CheckSignals()
+            except BaseException:
+                self.cancel(rid)
+                self.drain(rid)
+                raise
+        return self._take(r)
+
+    def drain(self, size_t rid):
+        """Wait for a request without looking at signals; its result (and it is freed)."""
+        cdef _Req* r = <_Req*>rid
+        with nogil:
+            while _wait_req(&self.q, r, 1.0) != 0:
+                pass
+        return self._take(r)
+
+    cdef object _take(self, _Req* r):
+        res = (r.done, r.err, r.err_offset, r.err_nbytes, bool(r.eof))
+        if r.token != NULL:
+            Py_DECREF(<object>r.token)
+            r.token = NULL
+        PyMem_RawFree(r)
+        return res
+
+    def serve(self):
+        """Completion thread: block until asynchronous requests finish.
+
+        Returns a list of ``(token, done, err, err_offset, err_nbytes, eof)``, or None once
+        :meth:`shutdown` was called and nothing is left in flight.
+        """
+        cdef _Req* head = NULL
+        cdef _Req* r
+        cdef _Req* nxt
+        cdef int rc
+        if not self._ready:
+            return None
+        with nogil:
+            rc = _serve(&self.q, &head)
+        if rc < 0:
+            return None
+        out = []
+        r = head
+        while r != NULL:
+            nxt = r.done_next
+            token = <object>r.token if r.token != NULL else None
+            out.append((token, r.done, r.err, r.err_offset, r.err_nbytes, bool(r.eof)))
+            if r.token != NULL:
+                Py_DECREF(<object>r.token)
+                r.token = NULL
+            PyMem_RawFree(r)
+            r = nxt
+        return out
+
+    def shutdown(self):
+        """Let :meth:`serve` return None once the queue is idle."""
+        if not self._ready:
+            return
+        pt.pthread_mutex_lock(&self.q.mu)
+        self.q.closing = True
+        pt.pthread_cond_broadcast(&self.q.cv)
+        pt.pthread_mutex_unlock(&self.q.mu)
+
+    def close(self):
+        """Destroy the context (after what is in flight). Idempotent.
+
+        The caller makes sure no request is pending and the completion thread has returned.
+        In a forked child the parent's context is left alone.
+        """
+        cdef abi.aio_context_t ctx
+        if not self._ready:
+            return
+        self._ready = False
+        ctx = self.q.ctx
+        self.q.ctx = 0
+        if ctx and self._pid == getpid():
+            with nogil:
+                abi.syscall(abi.SYS_io_destroy, ctx)
+        if self._pid == getpid():
+            pt.pthread_mutex_destroy(&self.q.mu)
+            pt.pthread_cond_destroy(&self.q.cv)
+        self._free_arrays()
+        self._ring_owner = None
+
+    def __dealloc__(self):
+        cdef abi.aio_context_t ctx = self.q.ctx
+        if self._ready and ctx and self._pid == getpid():
+            with nogil:
+                abi.syscall(abi.SYS_io_destroy, ctx)
+        if self._ready:
+            self._free_arrays()
+
+
+def probe_writable(size_t address, size_t nbytes):
+    """Raise BufferError unless the first and last byte of the range can be written.
+
+    Copies each byte onto itself with process_vm_writev, which fails with EFAULT instead of
+    faulting: a tensor over a read-only mapping is refused before any I/O.
+    """
+    cdef iovec iov
+    cdef long ret
+    cdef size_t a
+    if nbytes == 0:
+        return
+    for a in (address, address + nbytes - 1):
+        iov.iov_base = <void*>a
+        iov.iov_len = 1
+        ret = abi.syscall(abi.SYS_process_vm_writev, <long>getpid(), &iov, <long>1, &iov,
+                          <long>1, <long>0)
+        if ret < 0:
+            e = errno
+            if e == ENOSYS or e == EPERM:
+                return                      # no way to ask (seccomp): let the kernel decide
+            raise BufferError(f"the destination memory at {a:#x} is not writable "
+                              f"({os.strerror(e)}): a read needs writable memory")

@@ -41,6 +41,7 @@ cdef extern from "<sys/syscall.h>" nogil:
     long SYS_io_cancel
     long SYS_io_getevents
     long SYS_statx
+    long SYS_process_vm_writev
 
 
 cdef extern from "<unistd.h>" nogil:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
+import sys
+
 from aioswap import _cufile, pinned
 from aioswap.errors import CuFileUnavailable
-from aioswap.handle import AioHandle, _File, _Mem, _torch
+from aioswap.handle import AioHandle, DeviceTransport
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +43,7 @@ class GdsHandle(AioHandle):
         self._pins: dict[int, tuple[Any, Any]] = {}
         self._pin_lock = threading.Lock()
         _cufile.load()
-        torch = _torch()
+        torch = sys.modules.get("torch")
         if torch is None:
             try:
                 import torch
@@ -53,7 +55,7 @@ class GdsHandle(AioHandle):
                                     "is False")
         self._driver = _cufile.Driver(config)
         try:
-            super().__init__(*args, **kwargs)
+            super().__init__(*args, device_transport=_CuFileTransport(), **kwargs)
         except BaseException:
             self._driver.close()
             raise
@@ -89,26 +91,11 @@ class GdsHandle(AioHandle):
     def new_pinned_device_tensor(self, numel: int, dtype: torch.dtype,
                                  device: Any = "cuda") -> torch.Tensor:
         """A new CUDA tensor registered with cuFile; release with :meth:`unpin_device_tensor`."""
-        t: torch.Tensor = _torch().empty(numel, dtype=dtype, device=device)
+        import torch
+
+        t: torch.Tensor = torch.empty(numel, dtype=dtype, device=device)
         self.pin_device_tensor(t)
         return t
-
-    # -- requests ------------------------------------------------------------------------
-    def _execute(self, op: str, mem: _Mem, f: _File, offset: int, n: int) -> int:
-        if not mem.cuda or n == 0:
-            return super()._execute(op, mem, f, offset, n)
-        if not mem.contiguous:
-            return self._noncontiguous(op, mem, f, offset, n)
-        fd = f.direct_fd if f.direct_fd is not None else f.buffered_fd
-        rng = _cufile.registered_range(mem.addr, n)
-        base, buf_off = (rng[0], mem.addr - rng[0]) if rng is not None else (mem.addr, 0)
-        with _cufile.CuFileHandle(fd, write=op == "write") as cf:
-            if op == "write":
-                done = cf.write(base, n, offset, buf_off)
-            else:
-                done = cf.read(base, n, offset, buf_off)
-        self._count(**{"direct_bytes" if rng is not None else "bounce_bytes": done})
-        return int(done)
 
     def close(self) -> None:
         """Finish in-flight requests, deregister pinned device memory, close the driver."""
@@ -123,3 +110,18 @@ class GdsHandle(AioHandle):
             driver, self._driver = self._driver, None
             if driver is not None:
                 driver.close()
+
+
+class _CuFileTransport(DeviceTransport):
+    """CUDA memory through cuFile: registered ranges direct, others via cuFile's staging."""
+
+    def transfer(self, write: bool, address: int, nbytes: int, fd: int,
+                 offset: int) -> tuple[int, str]:
+        rng = _cufile.registered_range(address, nbytes)
+        base, buf_off = (rng[0], address - rng[0]) if rng is not None else (address, 0)
+        with _cufile.CuFileHandle(fd, write=write) as cf:
+            if write:
+                done = cf.write(base, nbytes, offset, buf_off)
+            else:
+                done = cf.read(base, nbytes, offset, buf_off)
+        return int(done), "direct" if rng is not None else "bounce"

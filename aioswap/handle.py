@@ -1,66 +1,63 @@
-"""AioHandle: tensor and buffer I/O to files through the kernel AIO engine.
+"""AioHandle: tensor and buffer I/O to files through the shared kernel AIO queue.
 
-Every request is planned by :func:`_plan` into up to three parts:
+A handle owns ``intra_op_parallelism`` lanes; each lane is one
+:class:`~aioswap._aio.AioQueue` (a kernel context with ``queue_depth`` iocbs in flight
+across every request of the lane), its bounce ring, and one completion thread. Every
+request, sync or async, from any thread, becomes pieces in a lane's queue:
 
-* head / tail: bytes before the first and after the last ``O_DIRECT``-aligned file offset
-  of the request; moved with plain buffered ``pread``/``pwrite`` so any byte size and offset
-  works and the file ends exactly where the data ends;
-* middle, **direct**: page-locked (``pinned.is_pinned``), aligned, contiguous host memory goes
+* **direct**: page-locked (``pinned.is_pinned``), aligned, contiguous host memory goes
   straight to the kernel with ``O_DIRECT``;
-* middle, **bounce**: anything else (unpinned or misaligned host memory, CUDA tensors) is
-  staged through a pool of page-locked, aligned buffers owned by the handle and reused by
-  every request, with the copies pipelined against the I/O (double buffering).
+* **bounce**: other host memory (unpinned or misaligned) is staged through the lane's ring;
+  the engine copies without the GIL, overlapped with the other buffers' I/O;
+* **head/tail**: the unaligned edge blocks of any request are read (and, for writes,
+  read-modify-written) through the ring with ``O_DIRECT`` as well, locked per block, so
+  writes to one file never mix the page cache and ``O_DIRECT`` and neighbours never lose
+  bytes; a file ends exactly where its data ends;
+* **buffered**: a file system that refuses ``O_DIRECT`` is served with buffered I/O, with one
+  :class:`~aioswap.errors.DirectIOFallbackWarning` per handle.
 
-A file system that refuses ``O_DIRECT`` is served entirely with buffered I/O, with one
-:class:`~aioswap.errors.DirectIOFallbackWarning` per handle.
+Non-contiguous tensors and arrays (and conjugate/negative views) are staged through a
+contiguous copy; CUDA tensors through the ring in block-sized chunks.
 """
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
-import errno
 import logging
+import operator
 import os
-import stat
 import threading
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Union
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
-from aioswap import _aio, pinned
+from aioswap import _aio, _bounce, _files, pinned
+from aioswap._buffers import Buffer, resolve
+from aioswap._files import AioFile, FileArg, PathLike, describe
 from aioswap.config import AioConfig
-from aioswap.errors import (DirectIOFallbackWarning, DirectIOUnsupportedError,
-                            HandleClosedError, ShortReadError)
+from aioswap.errors import DirectIOFallbackWarning, HandleClosedError, ShortReadError
 
 if TYPE_CHECKING:
-    import torch
+    from collections.abc import Iterable, Sequence
 
-__all__ = ["AioHandle", "HandleStats", "IOFuture"]
+    import torch
+    from typing_extensions import Self
+
+__all__ = ["AioFile", "AioHandle", "DeviceTransport", "HandleStats", "IOFuture"]
 
 _log = logging.getLogger("aioswap")
 
-PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
-FileArg = Union[PathLike, int]
-
 _DEFAULTS = AioConfig()
-
-
-def _torch() -> Any:
-    """torch if the caller has imported it (never imported here on its own)."""
-    import sys
-    return sys.modules.get("torch")
 
 
 class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
     """The future of one asynchronous request; ``result()`` is the number of bytes moved.
 
     A real :class:`concurrent.futures.Future`: callbacks, ``wait``/``as_completed`` and
-    ``asyncio.wrap_future`` work. ``op`` is ``"read"`` or ``"write"``, ``file`` the path or
-    fd, ``nbytes`` and ``offset`` the request.
+    ``asyncio.wrap_future`` work. ``op`` is ``"read"`` or ``"write"``, ``file`` the path,
+    fd or :class:`AioFile`, ``nbytes`` and ``offset`` the request. A request is running
+    from the moment it is submitted, so ``cancel()`` returns False.
     """
 
     def __init__(self, op: str, file: FileArg, nbytes: int, offset: int) -> None:
@@ -71,8 +68,8 @@ class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
         self.offset = offset
 
     def __repr__(self) -> str:
-        return (f"<IOFuture {self.op} {self.nbytes} bytes at {self.offset} of {self.file!r} "
-                f"{self._state.lower()}>")
+        return (f"<IOFuture {self.op} {self.nbytes} bytes at {self.offset} of "
+                f"{describe(self.file)} {self._state.lower()}>")
 
 
 @dataclass
@@ -94,206 +91,109 @@ class HandleStats:
         return HandleStats(**{f.name: getattr(self, f.name) for f in fields(self)})
 
 
-# ----------------------------------------------------------------------------------------
-# Buffers
-
-
-@dataclass
-class _Mem:
-    """A caller's buffer resolved to raw memory; ``keep`` holds it alive."""
-
-    addr: int
-    nbytes: int
-    cuda: bool
-    contiguous: bool
-    writable: bool
-    keep: Any
-    tensor: Any = None          # torch.Tensor when the buffer is one
-    array: Any = None           # numpy.ndarray otherwise
-
-    def flat_tensor(self) -> Any:
-        """A flat uint8 tensor over a contiguous tensor buffer."""
-        t = self.tensor.detach()
-        # as_strided, not reshape: a 1-element tensor may be "contiguous" with any stride
-        return t.as_strided((t.numel(),), (1,)).view(_torch().uint8)
-
-
-def _resolve(buffer: Any) -> _Mem:
-    torch = _torch()
-    if torch is not None and isinstance(buffer, torch.Tensor):
-        dev = buffer.device.type
-        if dev not in ("cpu", "cuda"):
-            raise TypeError(f"cannot do I/O on a tensor on device {buffer.device}; "
-                            f"use a CPU or CUDA tensor")
-        nbytes = buffer.numel() * buffer.element_size()
-        return _Mem(buffer.data_ptr(), nbytes, dev == "cuda", buffer.is_contiguous(),
-                    True, buffer, tensor=buffer)
-    if isinstance(buffer, np.ndarray):
-        arr = buffer
-    else:
-        try:
-            mv = memoryview(buffer)
-        except TypeError:
-            raise TypeError(f"buffer must be a torch tensor, a numpy array or support the "
-                            f"buffer protocol, got {type(buffer).__name__}") from None
-        if mv.c_contiguous:
-            arr = np.frombuffer(mv, dtype=np.uint8) if mv.nbytes else np.empty(0, np.uint8)
-        else:
-            arr = np.asarray(mv)
-        if mv.readonly and arr.flags.writeable:
-            arr.flags.writeable = False
-    addr = arr.__array_interface__["data"][0]
-    return _Mem(addr, arr.nbytes, False, bool(arr.flags.c_contiguous),
-                bool(arr.flags.writeable), buffer, array=arr)
-
-
-def _host_view(addr: int, nbytes: int) -> memoryview:
-    """A writable byte memoryview over raw host memory the caller keeps alive."""
-    return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
-
-
-# ----------------------------------------------------------------------------------------
-# Files
-
-
-@dataclass
-class _File:
-    """A file opened for one request: a direct fd (or None) and a buffered fd."""
-
-    name: str
-    direct_fd: int | None
-    buffered_fd: int
-    size: int
-    mem_align: int
-    off_align: int
-    owned: list[int] = field(default_factory=list)
-
-    def close(self) -> None:
-        for fd in self.owned:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.owned.clear()
-
-
-def _describe(file: FileArg) -> str:
-    if isinstance(file, int):
-        return f"fd {file}"
-    return repr(os.fsdecode(file))
-
-
-# ----------------------------------------------------------------------------------------
-# The plan
-
-
 @dataclass(frozen=True)
-class _Plan:
-    """How one request runs: byte ranges relative to the request start."""
+class _Request:
+    """One validated request, built once and passed down."""
 
-    path: str                    # "direct" | "bounce" | "buffered"
-    head: tuple[int, int]        # (start, end) moved with buffered I/O
-    middle: tuple[int, int]      # moved by `path`
-    tail: tuple[int, int]
-
-
-def _plan(mem: _Mem, offset: int, nbytes: int, f: _File, is_pinned: bool) -> _Plan:
-    """Decide how a request of ``nbytes`` at file ``offset`` from ``mem`` runs."""
-    if f.direct_fd is None:
-        return _Plan("buffered", (0, 0), (0, nbytes), (nbytes, nbytes))
-    a = f.off_align
-    head_end = min(nbytes, (-offset) % a)
-    tail_start = max(head_end, nbytes - (offset + nbytes) % a)
-    direct = (not mem.cuda and mem.contiguous and is_pinned
-              and (mem.addr + head_end) % f.mem_align == 0)
-    return _Plan("direct" if direct else "bounce", (0, head_end), (head_end, tail_start),
-                 (tail_start, nbytes))
-
-
-# ----------------------------------------------------------------------------------------
-# The bounce pool
-
-
-class _BouncePool:
-    """Page-locked, aligned staging buffers shared by all requests of one handle.
-
-    ``nbufs`` buffers of ``buf_bytes`` each live in one allocation; a request takes two
-    (double buffering), so at most ``nbufs // 2`` bounce streams run at once and memory
-    stays bounded however many requests are queued.
-    """
-
-    def __init__(self, nbufs: int, buf_bytes: int) -> None:
-        self.nbufs = nbufs
-        self.buf_bytes = buf_bytes
-        self._mem: Any = None
-        self._free: list[int] = []
-        self._cond = threading.Condition()
-        self._cuda_registered = False
+    write: bool
+    mem: Buffer
+    file: AioFile
+    offset: int
+    nbytes: int
+    fsync: bool
+    arg: FileArg                # what the caller passed as ``file`` (for the future)
 
     @property
-    def nbytes(self) -> int:
-        return self.nbufs * self.buf_bytes
+    def op(self) -> str:
+        return "write" if self.write else "read"
 
-    def _ensure(self) -> None:
-        if self._mem is None:
-            # strict=False: without CAP_IPC_LOCK and a large RLIMIT_MEMLOCK the pool is
-            # aligned but unlocked (one warning); O_DIRECT needs alignment, not locking.
-            self._mem = pinned.allocate(self.nbytes, strict=False)
-            self._free = list(range(self.nbufs))
 
-    def register_cuda(self) -> None:
-        """Page-lock the pool for CUDA too, so device copies run at full speed."""
-        with self._cond:
-            self._ensure()
-            if self._cuda_registered:
+class DeviceTransport:
+    """What moves contiguous device memory for a handle (the seam ``GdsHandle`` uses).
+
+    ``transfer(write, address, nbytes, fd, offset)`` moves ``nbytes`` between device memory
+    at ``address`` and ``fd`` at ``offset`` and returns ``(bytes moved, path)`` with path
+    ``"direct"`` or ``"bounce"`` (for :class:`HandleStats`); it raises on errors.
+    """
+
+    def transfer(self, write: bool, address: int, nbytes: int, fd: int,
+                 offset: int) -> tuple[int, str]:
+        raise NotImplementedError
+
+
+class _Lane:
+    """One kernel queue, its ring and its completion thread."""
+
+    def __init__(self, cfg: AioConfig, ring_cap: int | None, index: int) -> None:
+        self.queue = _aio.AioQueue(cfg.queue_depth, single_submit=cfg.single_submit,
+                                   overlap_events=cfg.overlap_events)
+        buf, n = _bounce.ring_shape(cfg.block_size, cfg.queue_depth, ring_cap)
+        self.ring = _bounce.Ring(self.queue, buf, n)
+        self.index = index
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the completion thread (on the first asynchronous request)."""
+        if self.thread is None:
+            with self.lock:
+                if self.thread is None:
+                    t = threading.Thread(target=self._serve, daemon=True,
+                                         name=f"aioswap-lane{self.index}")
+                    t.start()
+                    self.thread = t
+
+    def _serve(self) -> None:
+        serve = self.queue.serve
+        while True:
+            batch = serve()
+            if batch is None:
                 return
-            torch = _torch()
-            try:
-                rc = torch.cuda.cudart().cudaHostRegister(self._mem.address, self.nbytes, 0)
-                self._cuda_registered = int(rc) == 0
-            except Exception as exc:    # a slower pageable copy still works
-                _log.debug("cudaHostRegister of the bounce pool failed: %s", exc)
-
-    @contextmanager
-    def pair(self) -> Iterator[tuple[int, int]]:
-        """Borrow two buffers; yields their addresses."""
-        with self._cond:
-            self._ensure()
-            while len(self._free) < 2:
-                self._cond.wait()
-            a, b = self._free.pop(), self._free.pop()
-        base = self._mem.address
-        try:
-            yield base + a * self.buf_bytes, base + b * self.buf_bytes
-        finally:
-            with self._cond:
-                self._free += [a, b]
-                self._cond.notify_all()
-
-    def host_tensor(self, addr: int, nbytes: int) -> Any:
-        """A uint8 tensor over part of the pool (for CUDA copies)."""
-        torch = _torch()
-        off = addr - self._mem.address
-        return torch.frombuffer(self._mem, dtype=torch.uint8, count=nbytes, offset=off)
+            for token, done, err, eoff, en, eof in batch:
+                try:
+                    token.part_done(done, err, eoff, en, eof)
+                except BaseException:       # never let one callback stop the lane
+                    _log.exception("aioswap: completing a request failed")
 
     def close(self) -> None:
-        with self._cond:
-            mem, self._mem = self._mem, None
-            if mem is not None and self._cuda_registered:
-                try:
-                    _torch().cuda.cudart().cudaHostUnregister(mem.address)
-                except Exception as exc:
-                    _log.debug("cudaHostUnregister of the bounce pool failed: %s", exc)
-                self._cuda_registered = False
-            if mem is not None:
-                try:
-                    pinned.free(mem)
-                except BufferError:
-                    pass    # a view of the pool is still alive: it goes with the last view
+        self.queue.shutdown()
+        if self.thread is not None:
+            self.thread.join()
+        self.queue.close()
+        self.ring.close()
 
 
-# ----------------------------------------------------------------------------------------
-# The handle
+class _Async:
+    """The bookkeeping of one asynchronous request (the token its pieces come back with)."""
+
+    __slots__ = ("errors", "done", "fut", "handle", "lock", "parts", "post", "req")
+
+    def __init__(self, handle: AioHandle, req: _Request, fut: IOFuture, parts: int,
+                 post: Any) -> None:
+        self.handle = handle
+        self.req = req
+        self.fut = fut
+        self.parts = parts
+        self.done = 0
+        self.errors: list[BaseException] = []
+        self.post = post
+        self.lock = threading.Lock() if parts > 1 else None
+
+    def part_done(self, done: int, err: int, eoff: int, en: int, eof: bool) -> None:
+        exc = self.handle._result_error(self.req, done, err, eoff, en, eof)
+        if self.lock is not None:
+            with self.lock:
+                self.done += done
+                if exc is not None:
+                    self.errors.append(exc)
+                self.parts -= 1
+                if self.parts:
+                    return
+        else:
+            self.done = done
+            if exc is not None:
+                self.errors.append(exc)
+        self.handle._finish_async(self)
 
 
 class AioHandle:
@@ -302,31 +202,36 @@ class AioHandle:
     Parameters
     ----------
     block_size : int
-        Bytes per AIO request (iocb). Default 1 MiB.
+        Bytes per AIO request (iocb); any positive size (rounded down to each file's
+        ``O_DIRECT`` alignment internally, at least one aligned block). Default 1 MiB.
     queue_depth : int
-        Most requests in flight per worker. Default 32.
+        Most iocbs in flight per lane, across all requests of the handle. Default 32.
     single_submit : bool
         Submit one iocb per ``io_submit`` call instead of batches.
     overlap_events : bool
         Sliding window (top up after each completion) instead of submit-batch-reap-batch.
     intra_op_parallelism : int
-        Worker contexts a single request is split across (contiguous slices).
+        Lanes (kernel contexts) a large request is split across in contiguous slices.
     bounce_bytes : int, optional
-        Size of the bounce pool; default ``queue_depth * block_size`` (at least two
-        buffers of ``block_size`` per worker).
-    async_workers : int, optional
-        Threads that run ``async_op=True`` requests; default 4.
+        Most bytes of one lane's bounce ring; default ``min(queue_depth * block_size,
+        64 MiB)`` (buffers of ``block_size`` rounded up to pages; at least one).
+    device_transport : DeviceTransport, optional
+        What moves contiguous CUDA tensors (``GdsHandle`` passes cuFile); without one they
+        are staged through the bounce ring.
 
     Notes
     -----
     Alignment: ``O_DIRECT`` memory and offset alignment come from ``statx`` per file
-    (fallback 4096). Requests may have any size and offset; the unaligned head and tail go
-    through buffered I/O.
+    (fallback 4096). Requests may have any size and offset.
 
     Lifetime: a buffer passed to an asynchronous request is referenced by the handle until
-    the request finishes; do not modify (writes) or read (reads) it before the future is done.
+    the request finishes; do not modify (writes) or read (reads) it before the future is
+    done. A sync call returns or raises only after the kernel is done with its memory, also
+    when a signal handler raises (KeyboardInterrupt): the request is cancelled and what is
+    in flight is drained first.
 
-    Thread safety: any number of threads may submit requests on one handle.
+    Thread safety: any number of threads may submit requests on one handle. A handle cannot
+    be used in a child process after ``fork()``; make a new one there.
     """
 
     def __init__(self, block_size: int = _DEFAULTS.block_size,
@@ -334,34 +239,35 @@ class AioHandle:
                  single_submit: bool = _DEFAULTS.single_submit,
                  overlap_events: bool = _DEFAULTS.overlap_events,
                  intra_op_parallelism: int = _DEFAULTS.intra_op_parallelism,
-                 *, bounce_bytes: int | None = None, async_workers: int = 4) -> None:
+                 *, bounce_bytes: int | None = None,
+                 device_transport: DeviceTransport | None = None) -> None:
+        self._closed = True
+        self._device_transport = device_transport
         cfg = AioConfig(block_size=block_size, queue_depth=queue_depth,
                         single_submit=single_submit, overlap_events=overlap_events,
                         intra_op_parallelism=intra_op_parallelism)
-        if async_workers < 1:
-            raise ValueError(f"async_workers must be >= 1, got {async_workers}")
+        if bounce_bytes is not None:
+            bounce_bytes = operator.index(bounce_bytes)
+            if bounce_bytes <= 0:
+                raise ValueError(f"bounce_bytes must be positive, got {bounce_bytes}")
         self._cfg = cfg
-        lanes = cfg.intra_op_parallelism
-        pool_bytes = queue_depth * block_size if bounce_bytes is None else int(bounce_bytes)
-        # Buffers of up to 4 MiB: a request pipelines several chunks, and several requests
-        # (async ops, lanes) bounce at once; at least one pair per lane.
-        buf_bytes = max(block_size, min(4 << 20, pool_bytes // max(2, 2 * lanes))
-                        // block_size * block_size)
-        nbufs = max(2 * lanes, 2, pool_bytes // buf_bytes // 2 * 2)
-        self._pool = _BouncePool(nbufs, buf_bytes)
+        self._pid = os.getpid()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
         self._stats = HandleStats()
-        self._contexts: list[_aio.AioContext] = []
-        self._all_contexts: list[_aio.AioContext] = []
-        self._pending: list[IOFuture] = []
-        self._closed = False
+        self._pending: dict[IOFuture, None] = {}
+        self._active = 0                     # requests submitted and not finished
         self._warned_buffered = False
-        self._ops = concurrent.futures.ThreadPoolExecutor(
-            async_workers, thread_name_prefix="aioswap-op")
-        self._lanes = (concurrent.futures.ThreadPoolExecutor(
-            lanes, thread_name_prefix="aioswap-lane") if lanes > 1 else None)
-        self._io = concurrent.futures.ThreadPoolExecutor(
-            max(2, 2 * lanes), thread_name_prefix="aioswap-io")
+        self._rr = 0
+        self._lanes: list[_Lane] = []
+        try:
+            for i in range(cfg.intra_op_parallelism):
+                self._lanes.append(_Lane(cfg, bounce_bytes, i))
+        except BaseException:
+            for lane in self._lanes:
+                lane.close()
+            raise
+        self._closed = False
 
     @classmethod
     def from_config(cls, config: AioConfig, **kwargs: Any) -> AioHandle:
@@ -396,8 +302,8 @@ class AioHandle:
 
     @property
     def bounce_pool_bytes(self) -> int:
-        """Bytes of the bounce pool (allocated on first use)."""
-        return self._pool.nbytes
+        """Bytes of the bounce rings of all lanes (allocated on first use)."""
+        return sum(lane.ring.nbytes for lane in self._lanes)
 
     @property
     def stats(self) -> HandleStats:
@@ -422,14 +328,53 @@ class AioHandle:
         return pinned.empty(numel, dtype)
 
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> None:
-        """Release a tensor from :meth:`new_cpu_locked_tensor` (see ``pinned.free``)."""
+        """Release a tensor from :meth:`new_cpu_locked_tensor` (see ``pinned.free``).
+
+        Refused (BufferError) while requests of any handle use the memory.
+        """
         pinned.free(tensor)
 
     def is_pinned(self, buffer: Any) -> bool:
         """Whether ``buffer``'s whole extent is page-locked (see ``pinned.is_pinned``)."""
         return pinned.is_pinned(buffer)
 
+    # -- files -----------------------------------------------------------------------------
+    def open(self, path: PathLike, mode: str = "r", *,
+             perm: int = _files.DEFAULT_FILE_MODE) -> AioFile:
+        """Open ``path`` once for many requests.
+
+        Parameters
+        ----------
+        path : str or path-like
+        mode : {"r", "r+", "w", "w+", "x", "a+"}
+            ``"r"`` read-only; ``"r+"`` read/write, must exist; ``"w"``/``"w+"`` create or
+            truncate; ``"x"`` create, must not exist; ``"a+"`` create if missing, keep the
+            contents (writes are still positional).
+        perm : int
+            Mode bits of a created file; default 0o600 (private).
+
+        Returns
+        -------
+        AioFile
+            A context manager with ``pread``/``pwrite``/``fsync``/``fileno``/``close``;
+            ``open``/``fstat``/``statx`` are paid once.
+        """
+        self._check(f"open of {describe(path)}")
+        return _files.open_path(self, path, mode, perm=perm, on_buffered=self._buffered_warn)
+
     # -- requests --------------------------------------------------------------------------
+    @overload
+    def pread(self, buffer: Any, file: FileArg, offset: int = ..., *,
+              nbytes: int | None = ..., async_op: Literal[False] = ...) -> int: ...
+
+    @overload
+    def pread(self, buffer: Any, file: FileArg, offset: int = ..., *,
+              nbytes: int | None = ..., async_op: Literal[True]) -> IOFuture: ...
+
+    @overload
+    def pread(self, buffer: Any, file: FileArg, offset: int = ..., *,
+              nbytes: int | None = ..., async_op: bool = ...) -> int | IOFuture: ...
+
     def pread(self, buffer: Any, file: FileArg, offset: int = 0, *,
               nbytes: int | None = None, async_op: bool = False) -> int | IOFuture:
         """Read ``nbytes`` (default: the buffer's size) from ``file`` at ``offset``.
@@ -438,10 +383,11 @@ class AioHandle:
         ----------
         buffer : torch.Tensor, numpy.ndarray or writable buffer
             Destination; CPU or CUDA tensors of any dtype, contiguous or not.
-        file : path or int
-            A path, or an open fd (its access mode is respected).
+        file : path, int or AioFile
+            A path, an open fd (its access mode is respected; the caller may close it while
+            an asynchronous request is queued) or a file from :meth:`open`.
         offset : int
-            File offset in bytes, any value >= 0.
+            File offset in bytes, any integer >= 0.
         nbytes : int, optional
             Bytes to read into the start of the buffer.
         async_op : bool
@@ -457,50 +403,105 @@ class AioHandle:
         ShortReadError
             The file is shorter than ``offset + nbytes`` (checked before any I/O).
         FileNotFoundError, IsADirectoryError, PermissionError, OSError
-            The file cannot be read.
-        ValueError, BufferError
-            Negative offset, read-only buffer, ``nbytes`` beyond the buffer.
+            The file cannot be read (FIFOs and sockets are refused).
+        ValueError, TypeError, BufferError
+            Negative or non-integer offset, read-only buffer, ``nbytes`` beyond the buffer.
         HandleClosedError
             The handle is closed.
         """
-        return self._request("read", buffer, file, offset, nbytes, async_op, False)
+        return self._request(False, buffer, file, offset, nbytes, async_op, False)
+
+    @overload
+    def pwrite(self, buffer: Any, file: FileArg, offset: int = ..., *,
+               nbytes: int | None = ..., async_op: Literal[False] = ...,
+               fsync: bool = ...) -> int: ...
+
+    @overload
+    def pwrite(self, buffer: Any, file: FileArg, offset: int = ..., *,
+               nbytes: int | None = ..., async_op: Literal[True],
+               fsync: bool = ...) -> IOFuture: ...
+
+    @overload
+    def pwrite(self, buffer: Any, file: FileArg, offset: int = ..., *,
+               nbytes: int | None = ..., async_op: bool = ...,
+               fsync: bool = ...) -> int | IOFuture: ...
 
     def pwrite(self, buffer: Any, file: FileArg, offset: int = 0, *,
                nbytes: int | None = None, async_op: bool = False,
                fsync: bool = False) -> int | IOFuture:
         """Write ``nbytes`` (default: the whole buffer) to ``file`` at ``offset``.
 
-        A path is created if missing (mode 0644) and never truncated: bytes past the request
-        stay as they were. ``fsync=True`` makes data and size durable before returning.
-        Same parameters, returns and errors as :meth:`pread`.
+        A path is created if missing (mode 0600) and never truncated: bytes past the request
+        stay as they were. ``fsync=True`` makes data and size durable before the request
+        completes. Fds opened with ``O_APPEND`` are refused. Same parameters, returns and
+        errors as :meth:`pread`.
         """
-        return self._request("write", buffer, file, offset, nbytes, async_op, fsync)
+        return self._request(True, buffer, file, offset, nbytes, async_op, fsync)
+
+    def pread_many(self, requests: Iterable[Sequence[Any]], *,
+                   async_op: bool = False) -> list[int] | list[IOFuture]:
+        """Submit many reads at once: ``[(buffer, file, offset), ...]``.
+
+        All requests are queued before the first is waited for, so they share the kernel
+        queue. Returns the bytes read per request (after all finished; the first error is
+        raised after every request finished), or their futures with ``async_op=True``.
+        """
+        return self._many(False, requests, async_op)
+
+    def pwrite_many(self, requests: Iterable[Sequence[Any]], *,
+                    async_op: bool = False) -> list[int] | list[IOFuture]:
+        """Submit many writes at once: ``[(buffer, file, offset), ...]`` (see
+        :meth:`pread_many`)."""
+        return self._many(True, requests, async_op)
+
+    def _many(self, write: bool, requests: Iterable[Sequence[Any]],
+              async_op: bool) -> list[int] | list[IOFuture]:
+        futs: list[IOFuture] = []
+        try:
+            for item in requests:
+                buf, file, *rest = item
+                off = rest[0] if rest else 0
+                fut = self._request(write, buf, file, off, None, True, False)
+                assert isinstance(fut, IOFuture)
+                futs.append(fut)
+        except BaseException:
+            concurrent.futures.wait(futs)
+            self._forget(futs)
+            raise
+        if async_op:
+            return futs
+        concurrent.futures.wait(futs)
+        self._forget(futs)
+        _raise_first(futs)
+        return [f.result() for f in futs]
 
     def wait(self) -> int:
         """Finish every outstanding asynchronous request; return how many there were.
 
-        Returns 0 when none were pending. All requests run to the end; then the first
-        error (in submission order) is raised.
+        Returns 0 when none were pending. Every request pending when ``wait`` was called
+        runs to the end; then the first error (in submission order) is raised. An
+        interrupted wait (KeyboardInterrupt) leaves them pending for the next ``wait``.
         """
-        count = 0
-        first: BaseException | None = None
-        while True:
-            with self._lock:
-                batch, self._pending = self._pending, []
-            if not batch:
-                break
-            concurrent.futures.wait(batch)
-            count += len(batch)
-            for fut in batch:
-                exc = fut.exception()
-                if exc is not None and first is None:
-                    first = exc
-        if first is not None:
-            raise first
+        with self._lock:
+            batch = list(self._pending)
+        if not batch:
+            return 0
+        concurrent.futures.wait(batch)
+        count = self._forget(batch)
+        _raise_first(batch)
         return count
 
+    def _forget(self, futs: Iterable[IOFuture]) -> int:
+        """Drop finished futures from the pending set; how many this call dropped."""
+        n = 0
+        with self._lock:
+            for f in futs:
+                if self._pending.pop(f, 0) is None:
+                    n += 1
+        return n
+
     def close(self) -> None:
-        """Finish in-flight requests, then free contexts, threads and the bounce pool.
+        """Refuse new requests, finish those in flight, then free lanes, threads and rings.
 
         Idempotent. Errors of unfinished asynchronous requests stay in their futures.
         """
@@ -508,19 +509,14 @@ class AioHandle:
             if self._closed:
                 return
             self._closed = True
-            pending = list(self._pending)
-        concurrent.futures.wait(pending)
-        self._ops.shutdown(wait=True)
-        if self._lanes is not None:
-            self._lanes.shutdown(wait=True)
-        self._io.shutdown(wait=True)
-        with self._lock:
-            contexts, self._all_contexts, self._contexts = self._all_contexts, [], []
-        for ctx in contexts:
-            ctx.close()
-        self._pool.close()
+            while self._active:
+                self._idle.wait()
+        if self._pid != os.getpid():
+            return                  # a forked child: the parent's lanes are not ours
+        for lane in self._lanes:
+            lane.close()
 
-    def __enter__(self) -> AioHandle:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -535,372 +531,449 @@ class AioHandle:
                 pass
 
     # -- internals -------------------------------------------------------------------------
-    def _request(self, op: str, buffer: Any, file: FileArg, offset: int,
-                 nbytes: int | None, async_op: bool, fsync: bool) -> int | IOFuture:
+    def _check(self, what: str) -> None:
         if self._closed:
-            raise HandleClosedError(f"{op} of {_describe(file)} on a closed AioHandle")
-        offset = int(offset)
+            raise HandleClosedError(f"{what} on a closed AioHandle")
+        if self._pid != os.getpid():
+            raise RuntimeError(f"{what}: this AioHandle was created in process {self._pid} "
+                               f"and cannot be used after fork(); create a new AioHandle in "
+                               f"the child")
+
+    def _buffered_warn(self, name: str) -> None:
+        if not self._warned_buffered:
+            self._warned_buffered = True
+            warnings.warn(f"the file system of {name} refuses O_DIRECT; this handle uses "
+                          f"buffered I/O for such files", DirectIOFallbackWarning,
+                          stacklevel=5)
+
+    def _request(self, write: bool, buffer: Any, file: FileArg, offset: Any,
+                 nbytes: Any, async_op: bool, fsync: bool) -> int | IOFuture:
+        op = "write" if write else "read"
+        self._check(f"{op} of {describe(file)}")
+        offset = _integer(offset, "offset", file)
         if offset < 0:
-            raise ValueError(f"negative file offset {offset} for {_describe(file)}")
-        mem = _resolve(buffer)
-        n = mem.nbytes if nbytes is None else int(nbytes)
+            raise ValueError(f"negative file offset {offset} for {describe(file)}")
+        mem = resolve(buffer)
+        n = mem.nbytes if nbytes is None else _integer(nbytes, "nbytes", file)
         if n < 0:
-            raise ValueError(f"negative nbytes {n} for {_describe(file)}")
+            raise ValueError(f"negative nbytes {n} for {describe(file)}")
         if n > mem.nbytes:
-            raise ValueError(f"{op} of {n} bytes at offset {offset} of {_describe(file)}: the "
+            raise ValueError(f"{op} of {n} bytes at offset {offset} of {describe(file)}: the "
                              f"buffer holds only {mem.nbytes} bytes")
-        if op == "read" and not mem.writable:
-            raise ValueError(f"read of {n} bytes from {_describe(file)} into a read-only "
-                             f"buffer ({type(buffer).__name__})")
-        f = self._open(file, op)
+        if not write:
+            if not mem.writable:
+                raise ValueError(f"read of {n} bytes from {describe(file)} into a read-only "
+                                 f"buffer ({type(buffer).__name__})")
+            if not mem.contiguous and n % mem.itemsize:
+                raise ValueError(f"read of {n} bytes from {describe(file)} into a "
+                                 f"non-contiguous buffer must cover whole elements of "
+                                 f"{mem.itemsize} bytes")
+        f = self._file(file, write)
         try:
-            if op == "read" and offset + n > f.size:
+            if not write and n and offset + n > (size := f.size()):
                 raise ShortReadError(
-                    f"read of {n} bytes at offset {offset} from {f.name} goes past the end of "
-                    f"the file ({f.size} bytes)", path=f.name, offset=offset, nbytes=n,
-                    file_size=f.size)
+                    f"read of {n} bytes at offset {offset} from {f.name} goes past the end "
+                    f"of the file ({size} bytes)", path=f.name, offset=offset, nbytes=n,
+                    file_size=size)
+            if mem.device == "cpu" and mem.contiguous and not write and n:
+                _aio.probe_writable(mem.address, n)
+            req = _Request(write, mem, f, offset, n, fsync, file)
+            with self._lock:
+                if self._closed:
+                    raise HandleClosedError(f"{op} of {describe(file)} on a closed AioHandle")
+                self._active += 1
         except BaseException:
-            f.close()
+            if f.transient:
+                f.close()
             raise
-        if not async_op:
-            return self._run(op, mem, f, offset, n, fsync)
-        fut = IOFuture(op, file, n, offset)
+        if async_op:
+            return self._start_async(req)
+        try:
+            return self._run_sync(req)
+        finally:
+            self._release(req)
+
+    def _file(self, file: FileArg, write: bool) -> AioFile:
+        if isinstance(file, AioFile):
+            if file.closed:
+                raise ValueError(f"I/O on closed file {file.name}")
+            if write and not file.writable:
+                raise PermissionError(f"{file.name} is not open for writing")
+            if not write and not file.readable:
+                raise PermissionError(f"{file.name} is not open for reading")
+            return file
+        if isinstance(file, bool) or (not isinstance(file, int) and hasattr(file, "__index__")
+                                      and not isinstance(file, (str, bytes))):
+            raise TypeError(f"file must be a path, an fd or an AioFile, got "
+                            f"{type(file).__name__}")
+        if isinstance(file, int):
+            return _files.open_fd(self, file, write, on_buffered=self._buffered_warn)
+        return _files.open_path(self, file, "a+" if write else "r", transient=True,
+                                on_buffered=self._buffered_warn)
+
+    def _release(self, req: _Request) -> None:
+        """A request is over: give back its file and let close() go on."""
+        if req.file.transient:
+            req.file.close()
         with self._lock:
-            if self._closed:
-                f.close()
-                raise HandleClosedError(f"{op} of {f.name} on a closed AioHandle")
-            self._pending.append(fut)
-            self._stats.async_ops += 1
+            self._active -= 1
+            if self._active == 0:
+                self._idle.notify_all()
 
-        def job() -> None:
-            if not fut.set_running_or_notify_cancel():
-                f.close()
-                return
-            try:
-                fut.set_result(self._run(op, mem, f, offset, n, fsync))
-            except BaseException as exc:
-                fut.set_exception(exc)
+    # -- planning --------------------------------------------------------------------------
+    def _block(self, f: AioFile) -> int:
+        """Piece size on ``f``: the block size rounded down to its alignment (at least one)."""
+        block = self._cfg.block_size
+        if not f.direct:
+            return block
+        unit = max(f.off_align, f.mem_align)
+        return max(unit, block // unit * unit)
 
-        self._ops.submit(job)
-        return fut
+    def _slices(self, req: _Request) -> list[tuple[int, int]]:
+        """``(start, nbytes)`` of the lanes' contiguous slices of a request."""
+        n, block, k = req.nbytes, self._block(req.file), len(self._lanes)
+        if k == 1 or n < 2 * block:
+            return [(0, n)]
+        # cut at file offsets that are multiples of the block: no slice boundary is an edge
+        per = -(-n // k)
+        cuts = [0]
+        for i in range(1, k):
+            c = -(-(req.offset + i * per) // block) * block - req.offset
+            if cuts[-1] < c < n:
+                cuts.append(c)
+        cuts.append(n)
+        return list(zip(cuts, (b - a for a, b in zip(cuts, cuts[1:]))))
 
-    def _open(self, file: FileArg, op: str) -> _File:
-        write = op == "write"
-        owned: list[int] = []
-        try:
-            if isinstance(file, int):
-                name = f"fd {file}"
-                mode = _fd_mode(file, name, write)
-                # requests own their descriptors, so the caller may close ``file`` while an
-                # asynchronous request is queued
-                if mode & os.O_DIRECT:
-                    direct_fd: int | None = _own(os.dup(file), owned)
-                    buffered_fd = _reopen(file, mode & ~os.O_DIRECT, owned)
-                else:
-                    buffered_fd = _own(os.dup(file), owned)
-                    direct_fd = self._try_direct(lambda: _reopen(file, mode | os.O_DIRECT,
-                                                                 owned), name)
-            else:
-                name = os.fsdecode(file)
-                flags = (os.O_RDWR | os.O_CREAT) if write else os.O_RDONLY
-                buffered_fd = os.open(file, flags | os.O_CLOEXEC, 0o644)
-                owned.append(buffered_fd)
-                _check_regular(buffered_fd, name)
-                direct_fd = self._try_direct(
-                    lambda: _own(_aio.open_direct(file, write=write), owned), name)
-            st = os.fstat(buffered_fd)
-            _check_regular_st(st, name)
-            if direct_fd is not None:
-                mem_align, off_align = _aio.dio_alignment(direct_fd)
-            else:
-                mem_align = off_align = 1
-            return _File(repr(name) if not name.startswith("fd ") else name, direct_fd,
-                         buffered_fd, st.st_size, mem_align, off_align, owned)
-        except BaseException:
-            for fd in owned:
-                os.close(fd)
-            raise
-
-    def _try_direct(self, opener: Callable[[], int], name: str) -> int | None:
-        try:
-            return opener()
-        except DirectIOUnsupportedError:
-            if not self._warned_buffered:
-                self._warned_buffered = True
-                warnings.warn(f"the file system of {name} refuses O_DIRECT; this handle uses "
-                              f"buffered I/O for such files", DirectIOFallbackWarning,
-                              stacklevel=5)
-            return None
+    def _mode(self, req: _Request) -> int:
+        """How the pieces of a contiguous host request run; the bytes are counted per path."""
+        f, mem, n = req.file, req.mem, req.nbytes
+        if not f.direct:
+            self._count(buffered_bytes=n)
+            return _aio.MODE_PLAIN
+        align = f.off_align
+        head = min(n, (-req.offset) % align)
+        tail = (req.offset + n) % align
+        edges = head + (tail if n - head >= tail else 0)
+        middle = n - edges
+        direct = (middle > 0 and (mem.address + head) % f.mem_align == 0
+                  and pinned.is_pinned((mem.address + head, middle)))
+        self._count(head_tail_bytes=edges,
+                    **{("direct_bytes" if direct else "bounce_bytes"): middle})
+        return _aio.MODE_DIRECT if direct else _aio.MODE_BOUNCE
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
+            s = self._stats
             for k, v in deltas.items():
-                setattr(self._stats, k, getattr(self._stats, k) + v)
+                setattr(s, k, getattr(s, k) + v)
 
-    def _run(self, op: str, mem: _Mem, f: _File, offset: int, n: int, fsync: bool) -> int:
-        """Execute one validated request; always closes ``f``."""
+    def _submit_parts(self, req: _Request, slices: list[tuple[int, int]], sync: bool,
+                      token: Any) -> list[tuple[_Lane, int]]:
+        """Queue the slices of a contiguous host request on the lanes (holding the file).
+
+        On an error part-way, what was queued stays queued (sync callers drain it) and the
+        error propagates.
+        """
+        f, mem = req.file, req.mem
+        mode = self._mode(req)
+        block = self._block(f)
+        size = f.size() if req.write else 0
+        fsync = req.fsync and len(slices) == 1
+        if len(slices) == 1:
+            with self._lock:
+                self._rr += 1
+                lanes = [self._lanes[self._rr % len(self._lanes)]]
+        else:
+            lanes = self._lanes
+        submitted: list[tuple[_Lane, int]] = []
+        fd = f.use()
         try:
-            done = self._execute(op, mem, f, offset, n)
-            if fsync and op == "write":
-                os.fsync(f.buffered_fd)
-            if op == "read":
-                self._count(read_bytes=done, reads=1)
-            else:
-                self._count(write_bytes=done, writes=1)
-            return done
+            for lane, (start, nbytes) in zip(lanes, slices):
+                if mode != _aio.MODE_PLAIN:
+                    lane.ring.ensure()
+                if not sync:
+                    lane.start()
+                rid = lane.queue.submit(fd, req.write, mem.address + start, nbytes,
+                                        req.offset + start, mode, f.off_align, block, f.state,
+                                        size, fsync, sync, token)
+                submitted.append((lane, rid))
+        except BaseException as exc:
+            exc.__aioswap_submitted__ = submitted      # type: ignore[attr-defined]
+            if not submitted:
+                f.unuse()
+            raise
+        return submitted
+
+    # -- sync ------------------------------------------------------------------------------
+    def _run_sync(self, req: _Request) -> int:
+        try:
+            done = self._execute_sync(req)
         except BaseException:
             self._count(failed=1)
             raise
-        finally:
-            f.close()
-
-    def _execute(self, op: str, mem: _Mem, f: _File, offset: int, n: int) -> int:
-        if n == 0:
-            return 0
-        if not mem.contiguous:
-            return self._noncontiguous(op, mem, f, offset, n)
-        if mem.cuda:
-            self._pool.register_cuda()
-        plan = _plan(mem, offset, n, f, not mem.cuda and pinned.is_pinned((mem.addr, n)))
-        write = op == "write"
-        # head and tail first: a later O_DIRECT write flushes and invalidates any cached page
-        # it shares with them, so the file is right whichever lands on disk first.
-        for lo, hi in (plan.head, plan.tail):
-            if hi > lo:
-                self._buffered(write, mem, lo, hi - lo, f.buffered_fd, offset + lo, f.name)
-                self._count(head_tail_bytes=hi - lo)
-        lo, hi = plan.middle
-        if hi > lo:
-            if plan.path == "buffered":
-                self._buffered(write, mem, lo, hi - lo, f.buffered_fd, offset + lo, f.name)
-                self._count(buffered_bytes=hi - lo)
-            else:
-                assert f.direct_fd is not None
-                self._split(plan.path, write, mem, lo, hi - lo, f, offset + lo)
-                key = "direct_bytes" if plan.path == "direct" else "bounce_bytes"
-                self._count(**{key: hi - lo})
-        return n
-
-    def _noncontiguous(self, op: str, mem: _Mem, f: _File, offset: int, n: int) -> int:
-        """Stage a non-contiguous buffer through a contiguous copy of it."""
-        itemsize = mem.nbytes // max(1, mem.tensor.numel() if mem.tensor is not None
-                                     else mem.array.size)
-        if op == "read" and n % itemsize:
-            raise ValueError(f"read of {n} bytes from {f.name} into a non-contiguous buffer "
-                             f"must cover whole elements of {itemsize} bytes")
-        if mem.tensor is not None:
-            src = mem.tensor.detach()
-            tmp = src.contiguous() if op == "write" else _torch().empty_like(
-                src, memory_format=_torch().contiguous_format)
+        if req.write:
+            self._count(write_bytes=done, writes=1)
         else:
-            tmp = np.ascontiguousarray(mem.array) if op == "write" else np.empty_like(
-                mem.array, order="C")
-        done = self._execute(op, _resolve(tmp), f, offset, n)
-        if op == "read":
-            if mem.tensor is not None:
-                if n == mem.nbytes:
-                    mem.tensor.detach().copy_(tmp)
-                else:   # partial read: only the leading n bytes of the logical order
-                    _copy_prefix_tensor(mem.tensor, tmp, n)
-            else:
-                if n == mem.nbytes:
-                    np.copyto(mem.array, tmp)
-                else:
-                    _copy_prefix_array(mem.array, tmp, n)
+            self._count(read_bytes=done, reads=1)
         return done
 
-    def _split(self, path: str, write: bool, mem: _Mem, lo: int, n: int, f: _File,
-               file_off: int) -> None:
-        """Run an aligned middle part, split into contiguous slices across lanes."""
-        lanes = self._cfg.intra_op_parallelism
-        bs = self._cfg.block_size
-        unit = max(bs, f.off_align)
-        if lanes == 1 or n <= unit or self._lanes is None:
-            self._lane(path, write, mem, lo, n, f, file_off)
-            return
-        units = -(-n // unit)
-        per = -(-units // lanes) * unit
-        jobs = []
-        start = 0
-        while start < n:
-            size = min(per, n - start)
-            jobs.append(self._lanes.submit(self._lane, path, write, mem, lo + start, size, f,
-                                           file_off + start))
-            start += size
-        _join(jobs)
-
-    def _lane(self, path: str, write: bool, mem: _Mem, lo: int, n: int, f: _File,
-              file_off: int) -> None:
-        if path == "direct":
-            with self._context() as ctx:
-                self._engine(ctx, write, mem.addr + lo, n, f, file_off)
-        else:
-            self._bounce(write, mem, lo, n, f, file_off)
-
-    def _engine(self, ctx: _aio.AioContext, write: bool, addr: int, n: int, f: _File,
-                file_off: int) -> None:
-        c = self._cfg
-        call = ctx.pwrite if write else ctx.pread
-        assert f.direct_fd is not None
-        call(f.direct_fd, addr, file_off, n, block_size=c.block_size,
-             queue_depth=min(c.queue_depth, max(1, -(-n // c.block_size))),
-             single_submit=c.single_submit, overlap_events=c.overlap_events, path=f.name)
-
-    def _bounce(self, write: bool, mem: _Mem, lo: int, n: int, f: _File,
-                file_off: int) -> None:
-        """Stage ``n`` aligned bytes through two pool buffers, copies overlapping I/O."""
-        chunk = self._pool.buf_bytes
-        pieces = [(s, min(chunk, n - s)) for s in range(0, n, chunk)]
-        with self._pool.pair() as bufs, self._context() as ctx:
-            pending: concurrent.futures.Future[None] | None = None
-            try:
-                if write:
-                    for i, (s, size) in enumerate(pieces):
-                        buf = bufs[i % 2]
-                        self._copy_out(mem, lo + s, buf, size)   # caller memory -> pool
-                        if pending is not None:
-                            pending.result()
-                        pending = self._io.submit(self._engine, ctx, True, buf, size, f,
-                                                  file_off + s)
-                    assert pending is not None
-                    pending.result()
-                else:
-                    pending = self._io.submit(self._engine, ctx, False, bufs[0],
-                                              pieces[0][1], f, file_off)
-                    for i, (s, size) in enumerate(pieces):
-                        current, pending = pending, None
-                        assert current is not None
-                        current.result()
-                        if i + 1 < len(pieces):
-                            s2, size2 = pieces[i + 1]
-                            pending = self._io.submit(self._engine, ctx, False,
-                                                      bufs[(i + 1) % 2], size2, f,
-                                                      file_off + s2)
-                        self._copy_in(mem, lo + s, bufs[i % 2], size)  # pool -> caller
-            finally:
-                if pending is not None:       # never leave the kernel writing into the pool
-                    concurrent.futures.wait([pending])
-
-    def _copy_out(self, mem: _Mem, off: int, dst: int, n: int) -> None:
-        if mem.cuda:
-            self._pool.host_tensor(dst, n).copy_(mem.flat_tensor()[off:off + n])
-        else:
-            ctypes.memmove(dst, mem.addr + off, n)
-
-    def _copy_in(self, mem: _Mem, off: int, src: int, n: int) -> None:
-        if mem.cuda:
-            mem.flat_tensor()[off:off + n].copy_(self._pool.host_tensor(src, n))
-        else:
-            ctypes.memmove(mem.addr + off, src, n)
-
-    def _buffered(self, write: bool, mem: _Mem, lo: int, n: int, fd: int, file_off: int,
-                  name: str) -> None:
-        """Plain pread/pwrite of part of the buffer, short counts continued."""
-        if mem.cuda:
-            host = mem.flat_tensor()[lo:lo + n].cpu() if write else None
-            tmp = bytearray(n) if host is None else bytearray(host.numpy().tobytes())
-            view = memoryview(tmp)
-        else:
-            view = _host_view(mem.addr + lo, n)
-        done = 0
-        while done < n:
-            part = view[done:]
-            if write:
-                k = os.pwrite(fd, part, file_off + done)
-                if k == 0:
-                    raise OSError(errno.EIO, f"pwrite wrote nothing at offset "
-                                  f"{file_off + done}", name)
-            else:
-                k = os.preadv(fd, [part], file_off + done)
-                if k == 0:
-                    raise ShortReadError(
-                        f"read of {n} bytes at offset {file_off} from {name} reached end of "
-                        f"file at offset {file_off + done}", path=name, offset=file_off,
-                        nbytes=n)
-            done += k
-        if mem.cuda and not write:
-            torch = _torch()
-            mem.flat_tensor()[lo:lo + n].copy_(torch.frombuffer(tmp, dtype=torch.uint8))
-
-    @contextmanager
-    def _context(self) -> Iterator[_aio.AioContext]:
-        with self._lock:
-            ctx = self._contexts.pop() if self._contexts else None
-        if ctx is None:
-            ctx = _aio.AioContext(self._cfg.queue_depth)
-            with self._lock:
-                self._all_contexts.append(ctx)
+    def _execute_sync(self, req: _Request) -> int:
+        mem, n = req.mem, req.nbytes
+        if n == 0:
+            if req.fsync:
+                os.fsync(req.file.fileno())
+            return 0
+        if not mem.contiguous:
+            return self._staged(req)
+        if mem.device == "cuda":
+            if self._device_transport is not None:
+                fd = req.file.use()
+                try:
+                    done, path = self._device_transport.transfer(
+                        req.write, mem.address, n, fd, req.offset)
+                finally:
+                    req.file.unuse()
+                self._count(**{f"{path}_bytes": done})
+                if req.fsync:
+                    os.fsync(req.file.fileno())
+                return done
+            return self._cuda(req)
+        hold = pinned.registry.hold(mem.address, n)
         try:
-            yield ctx
+            subs = self._submit_parts(req, self._slices(req), True, None)
+        except BaseException as exc:
+            queued = getattr(exc, "__aioswap_submitted__", [])
+            _drain(queued)
+            if queued:
+                req.file.unuse()
+            if hold is not None:
+                pinned.registry.unhold(hold)
+            raise
+        results: list[tuple[int, int, int, int, bool]] = []
+        try:
+            for lane, rid in subs:
+                results.append(lane.queue.wait(rid))
+        except BaseException:
+            # a signal handler raised in wait(), which drained its own slice: cancel and
+            # drain the others before unwinding, so nothing writes the caller's memory later
+            _drain(subs[len(results) + 1:])
+            raise
         finally:
-            with self._lock:
-                if not ctx.closed:
-                    self._contexts.append(ctx)
+            req.file.unuse()
+            if hold is not None:
+                pinned.registry.unhold(hold)
+        done = 0
+        first: BaseException | None = None
+        for res in results:
+            done += res[0]
+            exc = self._result_error(req, *res)
+            if exc is not None and first is None:
+                first = exc
+        if first is not None:
+            raise first
+        if req.fsync and len(subs) > 1:
+            os.fsync(req.file.fileno())
+        return done
+
+    def _result_error(self, req: _Request, done: int, err: int, eoff: int, en: int,
+                      eof: bool) -> BaseException | None:
+        if err:
+            exc = OSError(err, f"{os.strerror(err)} ({req.op} of {en} bytes at file offset "
+                               f"{eoff}; {done} of {req.nbytes} bytes done)", req.file.name)
+            exc.offset = eoff                   # type: ignore[attr-defined]
+            return exc
+        if eof:
+            return ShortReadError(
+                f"read of {req.nbytes} bytes at offset {req.offset} from {req.file.name} "
+                f"reached end of file at offset {eoff} ({done} bytes read)",
+                path=req.file.name, offset=req.offset, nbytes=req.nbytes)
+        return None
+
+    def _staged(self, req: _Request) -> int:
+        """A non-contiguous (or conjugate/negative) buffer through a contiguous copy."""
+        mem = req.mem
+        tmp = _contiguous_like(mem, req.write)
+        inner = _Request(req.write, resolve(tmp), req.file, req.offset, req.nbytes,
+                         req.fsync, req.arg)
+        done = self._execute_sync(inner)
+        if not req.write:
+            _copy_back(mem, tmp, req.nbytes)
+        return done
+
+    def _cuda(self, req: _Request) -> int:
+        """A CUDA tensor on an AIO handle: block-sized chunks through lane 0's ring."""
+        lane = self._lanes[0]
+        ring = lane.ring
+        ring.register_cuda()
+        chunk = ring.nbytes
+        flat = _flat_bytes(req.mem.tensor)
+        done = 0
+        with lane.lock:                         # the ring is lent whole to this request
+            host = ring.host_tensor(chunk)
+            while done < req.nbytes:
+                k = min(chunk, req.nbytes - done)
+                if req.write:
+                    host[:k].copy_(flat[done:done + k])
+                sub = _Request(req.write, resolve(host[:k]), req.file, req.offset + done, k,
+                               False, req.arg)
+                moved = self._execute_sync(sub)
+                if not req.write:
+                    flat[done:done + k].copy_(host[:k])
+                done += moved
+        if req.fsync:
+            os.fsync(req.file.fileno())
+        return done
+
+    # -- async -----------------------------------------------------------------------------
+    def _start_async(self, req: _Request) -> IOFuture:
+        fut = IOFuture(req.op, req.arg, req.nbytes, req.offset)
+        fut.set_running_or_notify_cancel()
+        with self._lock:
+            self._pending[fut] = None
+            self._stats.async_ops += 1
+        mem = req.mem
+        if req.nbytes == 0 or not mem.contiguous or mem.device == "cuda":
+            # rare shapes: run them here, now (their data moves through the sync path)
+            try:
+                fut.set_result(self._run_sync(req))
+            except BaseException as exc:
+                fut.set_exception(exc)
+            finally:
+                self._release(req)
+            return fut
+        slices = self._slices(req)
+        token = _Async(self, req, fut, len(slices),
+                       pinned.registry.hold(mem.address, req.nbytes))
+        try:
+            self._submit_parts(req, slices, False, token)
+        except BaseException as exc:
+            queued = len(getattr(exc, "__aioswap_submitted__", ()))
+            if queued == 0:
+                # nothing reached the queue: the request ends here, with this error
+                self._forget_failed(token)
+                raise
+            # some slices run: the future fails with this error once they are done
+            with token.lock or _NOLOCK:
+                token.errors.append(exc)
+                token.parts -= len(slices) - queued
+        return fut
+
+    def _forget_failed(self, token: _Async) -> None:
+        if token.post is not None:
+            pinned.registry.unhold(token.post)
+            token.post = None
+        with self._lock:
+            self._pending.pop(token.fut, None)
+        token.fut.set_exception(HandleClosedError("request was not submitted"))
+        self._release(token.req)
+
+    def _finish_async(self, token: _Async, exc: BaseException | None = None) -> None:
+        req, fut = token.req, token.fut
+        if token.post is not None:
+            pinned.registry.unhold(token.post)
+            token.post = None
+        try:
+            req.file.unuse()
+        except Exception:
+            pass
+        first = exc if exc is not None else (token.errors[0] if token.errors else None)
+        if first is None and req.fsync and len(self._slices(req)) > 1:
+            try:
+                os.fsync(req.file.fileno())
+            except OSError as e:
+                first = e
+        self._release(req)
+        if first is not None:
+            self._count(failed=1)
+            fut.set_exception(first)
+        else:
+            if req.write:
+                self._count(write_bytes=token.done, writes=1)
+            else:
+                self._count(read_bytes=token.done, reads=1)
+            fut.set_result(token.done)
 
 
-def _join(jobs: list[concurrent.futures.Future[None]]) -> None:
-    """Wait for every job, then raise the first error."""
-    concurrent.futures.wait(jobs)
-    for j in jobs:
-        exc = j.exception()
+def _integer(value: Any, what: str, file: Any) -> int:
+    """Offsets and sizes are integers: ``1.5`` or ``"3"`` is an error, never truncated."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an integer, got the boolean {value} for "
+                        f"{describe(file)}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__} {value!r} "
+                        f"for {describe(file)}") from None
+
+
+def _drain(subs: Sequence[tuple[_Lane, int]]) -> None:
+    """Cancel queued slices and wait for what of them is in flight."""
+    for lane, rid in subs:
+        lane.queue.cancel(rid)
+    for lane, rid in subs:
+        lane.queue.drain(rid)
+
+
+class _NoLock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NOLOCK = _NoLock()
+
+
+def _raise_first(futs: Iterable[IOFuture]) -> None:
+    """After every future is done: raise the first error (cancelled ones count as done)."""
+    for f in futs:
+        if f.cancelled():
+            continue
+        exc = f.exception()
         if exc is not None:
             raise exc
 
 
-def _own(fd: int, owned: list[int]) -> int:
-    owned.append(fd)
-    return fd
+def _flat_bytes(t: Any) -> Any:
+    """A flat uint8 view of a contiguous tensor."""
+    import torch
+
+    d = t.detach()
+    # as_strided, not reshape: a 1-element tensor may be "contiguous" with any stride
+    return d.as_strided((d.numel(),), (1,)).view(torch.uint8)
 
 
-def _reopen(fd: int, flags: int, owned: list[int]) -> int:
-    """Open the file behind ``fd`` again with other flags (own offset, own O_DIRECT)."""
-    flags &= ~(os.O_CREAT | os.O_TRUNC | os.O_EXCL | os.O_APPEND)
-    path = f"/proc/self/fd/{fd}"
-    if flags & os.O_DIRECT:
-        new = _aio.open_direct(path, write=(flags & os.O_ACCMODE) != os.O_RDONLY)
+def _contiguous_like(mem: Buffer, write: bool) -> Any:
+    if mem.tensor is not None:
+        import torch
+
+        src = mem.tensor.detach()
+        if write:
+            return src.resolve_conj().resolve_neg().contiguous()
+        return torch.empty(src.shape, dtype=src.dtype, device=src.device)
+    arr = mem.array
+    return np.ascontiguousarray(arr) if write else np.empty(arr.shape, dtype=arr.dtype)
+
+
+def _copy_back(mem: Buffer, tmp: Any, n: int) -> None:
+    """Copy the first ``n`` bytes (whole elements, logical order) of ``tmp`` into ``mem``."""
+    if mem.tensor is not None:
+        dst = mem.tensor.detach()
+        if n == mem.nbytes:
+            dst.copy_(tmp)
+        else:
+            k = n // dst.element_size()
+            flat = dst.flatten()            # a copy, since dst is not contiguous
+            flat[:k] = tmp.reshape(-1)[:k]
+            dst.copy_(flat.view_as(dst))
+        return
+    arr = mem.array
+    if n == mem.nbytes:
+        np.copyto(arr, tmp)
     else:
-        new = os.open(path, flags | os.O_CLOEXEC)
-    owned.append(new)
-    return new
-
-
-def _fd_mode(fd: int, name: str, write: bool) -> int:
-    import fcntl
-    try:
-        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    except OSError as exc:
-        raise OSError(exc.errno, f"{name} is not an open file descriptor") from None
-    acc = flags & os.O_ACCMODE
-    if write and acc == os.O_RDONLY:
-        raise PermissionError(errno.EBADF, f"{name} is not open for writing")
-    if not write and acc == os.O_WRONLY:
-        raise PermissionError(errno.EBADF, f"{name} is not open for reading")
-    return flags & (os.O_ACCMODE | os.O_DIRECT)
-
-
-def _check_regular(fd: int, name: str) -> None:
-    _check_regular_st(os.fstat(fd), name)
-
-
-def _check_regular_st(st: os.stat_result, name: str) -> None:
-    if stat.S_ISDIR(st.st_mode):
-        raise IsADirectoryError(errno.EISDIR, "is a directory", name)
-    if not stat.S_ISREG(st.st_mode) and not stat.S_ISBLK(st.st_mode):
-        raise OSError(errno.EINVAL, "not a regular file or block device", name)
-
-
-def _copy_prefix_tensor(dst: Any, src: Any, n: int) -> None:
-    """Copy the first ``n`` bytes (in logical element order) of ``src`` into ``dst``."""
-    k = n // dst.element_size()             # whole elements: checked by the caller
-    target = dst.detach()
-    flat = target.flatten()                 # a copy, since dst is not contiguous
-    flat[:k] = src.reshape(-1)[:k]
-    target.copy_(flat.view_as(target))
-
-
-def _copy_prefix_array(dst: np.ndarray, src: np.ndarray, n: int) -> None:
-    k = n // dst.itemsize
-    flat = dst.reshape(-1)                  # a copy when dst is not contiguous
-    flat[:k] = src.reshape(-1)[:k]
-    if not np.shares_memory(flat, dst):
-        np.copyto(dst, flat.reshape(dst.shape))
+        k = n // arr.itemsize
+        flat = arr.reshape(-1)              # a copy when arr is not contiguous
+        flat[:k] = tmp.reshape(-1)[:k]
+        if not np.shares_memory(flat, arr):
+            np.copyto(arr, flat.reshape(arr.shape))

@@ -123,8 +123,8 @@ class PinnedStats:
 class _Range:
     """One registered (or tracked) range and what keeps it alive."""
 
-    __slots__ = ("baseline", "device", "end", "finalizer", "kind", "live", "owner", "ref",
-                 "start")
+    __slots__ = ("baseline", "device", "end", "finalizer", "freeing", "io", "kind", "live",
+                 "owner", "ref", "start")
 
     def __init__(self, start: int, end: int, kind: str, device: bool = False,
                  owner: object = None) -> None:
@@ -139,6 +139,8 @@ class _Range:
         # sys.getrefcount of the LockedMemory behind a pinned.empty() tensor while that tensor
         # is its only view (measured in empty(), compared in free()); None for other kinds.
         self.baseline: int | None = None
+        self.io = 0                 # I/O requests in flight on this memory (hold/unhold)
+        self.freeing = False        # free() is releasing it: no new holds
 
 
 class _Index:
@@ -187,11 +189,11 @@ class _Index:
             return True
         return False
 
-    def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return tuple(self.starts), tuple(self.ends)
+    def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[_Range, ...]]:
+        return tuple(self.starts), tuple(self.ends), tuple(self.recs)
 
 
-_Snapshot = tuple[tuple[int, ...], tuple[int, ...]]
+_Snapshot = tuple[tuple[int, ...], tuple[int, ...], tuple[_Range, ...]]
 
 # torch.Tensor once torch is imported by someone (never imported from here on a query).
 _Tensor: Any = None
@@ -449,8 +451,9 @@ class PinnedRegistry:
         self._pending: list[_Range] = []           # collected during our own critical section
         self._host = _Index()
         self._device = _Index()
-        self._host_snap: _Snapshot | None = ((), ())
-        self._device_snap: _Snapshot | None = ((), ())
+        self._host_snap: _Snapshot | None = ((), (), ())
+        self._device_snap: _Snapshot | None = ((), (), ())
+        self._io_lock = threading.Lock()
         self._unlocked: dict[int, _Range] = {}
         self._bytes_locked = 0
         self._peak = 0
@@ -553,7 +556,7 @@ class PinnedRegistry:
         snap = self._device_snap if device else self._host_snap
         if snap is None:
             snap = self._snapshot(device)
-        starts, ends = snap
+        starts, ends, _ = snap
         i = bisect_right(starts, lo) - 1
         return i >= 0 and hi <= ends[i]
 
@@ -605,7 +608,7 @@ class PinnedRegistry:
                 snap = self._host_snap
                 if snap is None:
                     snap = self._snapshot(False)
-                starts, ends = snap
+                starts, ends, _ = snap
                 try:
                     lo: int = t.data_ptr()
                     if t.is_contiguous():        # also every tensor without elements
@@ -665,6 +668,50 @@ class PinnedRegistry:
         """
         lo, hi = _address_pair((address, nbytes))
         return lo < hi and self._contains(lo, hi, device=True)
+
+    # ------------------------------------------------------------------- I/O holds
+    def hold(self, address: int, nbytes: int) -> object | None:
+        """Count an I/O request on memory from :meth:`allocate`/:meth:`empty`.
+
+        While a hold is out, :meth:`free` refuses that memory (BufferError), so memory the
+        kernel may still write is never unmapped. Returns a token for :meth:`unhold`, or
+        None when ``[address, address + nbytes)`` is not such memory (nothing to guard:
+        other memory stays alive through the request's reference to its owner).
+        """
+        if nbytes <= 0:
+            return None
+        snap = self._host_snap
+        if snap is None:
+            snap = self._snapshot(False)
+        starts, ends, recs = snap
+        i = bisect_right(starts, address) - 1
+        if i < 0 or address + nbytes > ends[i]:
+            return None
+        rec = recs[i]
+        if rec.kind != _ALLOCATED:
+            return None
+        with self._io_lock:
+            if not rec.live or rec.freeing:
+                return None
+            rec.io += 1
+        return rec
+
+    def unhold(self, token: object) -> None:
+        """Give back a hold from :meth:`hold`."""
+        assert isinstance(token, _Range)
+        with self._io_lock:
+            token.io -= 1
+
+    def _begin_free(self, rec: _Range, what: str) -> None:
+        with self._io_lock:
+            if rec.io:
+                raise BufferError(f"cannot free {what}: {rec.io} I/O request(s) in flight use "
+                                  f"its memory; wait for them (handle.wait()) first")
+            rec.freeing = True
+
+    def _end_free(self, rec: _Range) -> None:
+        with self._io_lock:
+            rec.freeing = False
 
     def stats(self) -> PinnedStats:
         """Counters of the registry, read together under the lock.
@@ -954,10 +1001,12 @@ class PinnedRegistry:
                     f"place(s) besides the caller (views: memoryviews, numpy arrays, tensors "
                     f"from torch.frombuffer; or containers); drop them first, or just drop "
                     f"every reference and the memory is freed when it is collected")
+            self._begin_free(rec, repr(obj))
             with self._critical():
                 try:
                     obj.release()
                 except BufferError as exc:
+                    self._end_free(rec)
                     raise BufferError(f"cannot free {obj!r}: views of it are alive ({exc}); "
                                       f"drop them first, or just drop every reference and "
                                       f"the memory is freed when it is collected") from None
@@ -1017,6 +1066,7 @@ class PinnedRegistry:
                               "graph, DLPack capsule...); drop those references first")
         if sys.getrefcount(mem) != rec.baseline:
             raise BufferError("cannot free the tensor: other objects view its memory")
+        self._begin_free(rec, "the tensor")
         with self._critical():
             with torch.no_grad():
                 t.set_()        # the storage dies here, and with it the buffer export

@@ -1,0 +1,304 @@
+"""Open files: one ``O_DIRECT`` descriptor per file, its alignment, the per-inode state.
+
+An :class:`AioFile` pays ``open``/``fstat``/``statx`` once and is what every request runs on;
+path and fd arguments of the handles are a convenience that makes a short-lived one per
+request. Files are refused early when they cannot work: directories, FIFOs and sockets
+(opened with ``O_NONBLOCK``, so a FIFO never blocks the caller), fds opened ``O_APPEND`` for
+writing (a positional write would land at the end), fds without the needed access mode.
+A file system that refuses ``O_DIRECT`` is served with buffered I/O.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+import struct
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Union
+
+from aioswap import _aio
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from aioswap.handle import AioHandle, IOFuture
+
+__all__ = ["AioFile", "FileArg", "PathLike", "describe"]
+
+PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
+FileArg = Union[PathLike, int, "AioFile"]
+
+#: Mode bits of files aioswap creates: user data is private unless asked otherwise.
+DEFAULT_FILE_MODE = 0o600
+
+_BLKGETSIZE64 = 0x80081272          # <linux/fs.h>: _IOR(0x12, 114, size_t)
+
+_MODES = {
+    "r": (os.O_RDONLY, True, False),
+    "r+": (os.O_RDWR, True, True),
+    "w": (os.O_RDWR | os.O_CREAT | os.O_TRUNC, True, True),
+    "w+": (os.O_RDWR | os.O_CREAT | os.O_TRUNC, True, True),
+    "x": (os.O_RDWR | os.O_CREAT | os.O_EXCL, True, True),
+    "a+": (os.O_RDWR | os.O_CREAT, True, True),       # created if missing, never truncated
+}
+
+
+class _Inode:
+    """What the process shares per (device, inode): the engine's FileState and alignment."""
+
+    __slots__ = ("__weakref__", "mem_align", "off_align", "state")
+
+    def __init__(self, mem_align: int, off_align: int) -> None:
+        self.state = _aio.FileState()
+        self.mem_align = mem_align
+        self.off_align = off_align
+
+
+_inodes: weakref.WeakValueDictionary[tuple[int, int], _Inode] = weakref.WeakValueDictionary()
+_inodes_lock = threading.Lock()
+
+
+def _inode(fd: int, st: os.stat_result, direct: bool) -> _Inode:
+    key = (st.st_dev, st.st_ino)
+    with _inodes_lock:
+        rec = _inodes.get(key)
+        if rec is None:
+            mem, off = _aio.dio_alignment(fd) if direct else (1, 1)
+            rec = _Inode(mem, off)
+            _inodes[key] = rec
+        elif direct and rec.off_align == 1:
+            # first seen on a buffered fd; this one is direct
+            rec.mem_align, rec.off_align = _aio.dio_alignment(fd)
+        return rec
+
+
+def describe(file: Any) -> str:
+    """How messages name a file argument."""
+    if isinstance(file, AioFile):
+        return file.name
+    if isinstance(file, int):
+        return f"fd {file}"
+    return repr(os.fsdecode(file))
+
+
+def _check_kind(st: os.stat_result, name: str) -> None:
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "is a directory", name)
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
+        raise OSError(errno.EINVAL, "not a regular file or block device (FIFOs, sockets and "
+                                    "character devices cannot do positional I/O)", name)
+
+
+def file_size(fd: int, st: os.stat_result | None = None) -> int:
+    """Bytes in the file behind ``fd`` (block devices: their size, not ``st_size`` = 0)."""
+    if st is None:
+        st = os.fstat(fd)
+    if stat.S_ISBLK(st.st_mode):
+        out = fcntl.ioctl(fd, _BLKGETSIZE64, b"\0" * 8)
+        return int(struct.unpack("Q", out)[0])
+    return st.st_size
+
+
+class AioFile:
+    """A file opened once for many requests (see :meth:`aioswap.AioHandle.open`).
+
+    ``pread``/``pwrite`` take the arguments of the handle's methods without ``file``.
+    ``close()`` is idempotent; the descriptor is closed once the requests in flight on it
+    are finished.
+
+    Attributes
+    ----------
+    name : str
+        The path (quoted) or ``"fd N"``, as error messages name it.
+    direct : bool
+        False when the file system refused ``O_DIRECT`` (buffered I/O then).
+    mem_align, off_align : int
+        ``O_DIRECT`` alignment of memory and of file offsets/lengths (``statx``).
+    """
+
+    def __init__(self, handle: AioHandle | None, fd: int, name: str, *, direct: bool,
+                 readable: bool, writable: bool, st: os.stat_result, owned: bool = True,
+                 transient: bool = False) -> None:
+        self._handle = handle
+        self._fd = fd
+        self.name = name
+        self.direct = direct
+        self.readable = readable
+        self.writable = writable
+        self._inode = _inode(fd, st, direct)
+        self.mem_align = self._inode.mem_align if direct else 1
+        self.off_align = self._inode.off_align if direct else 1
+        self.block_device = stat.S_ISBLK(st.st_mode)
+        self._size0 = file_size(fd, st)
+        self._owned = owned
+        self.transient = transient
+        self._closed = False
+        self._users = 0
+        self._lock = threading.Lock()
+
+    # -- the handle's side ---------------------------------------------------------------
+    @property
+    def state(self) -> Any:
+        return self._inode.state
+
+    def size(self) -> int:
+        """The file's size now (``fstat``; block devices: the device size)."""
+        if self._size0 is not None and self.transient:
+            size, self._size0 = self._size0, None    # measured at open, a moment ago
+            return size
+        return file_size(self._fd)
+
+    def use(self) -> int:
+        """Count a request on the file; its fd."""
+        with self._lock:
+            if self._closed:
+                raise ValueError(f"I/O on closed file {self.name}")
+            self._users += 1
+            return self._fd
+
+    def unuse(self) -> None:
+        with self._lock:
+            self._users -= 1
+            last = self._users == 0 and self._closed
+        if last:
+            self._close_fd()
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0 and self._owned:
+            os.close(fd)
+
+    # -- public --------------------------------------------------------------------------
+    def pread(self, buffer: Any, offset: int = 0, *, nbytes: int | None = None,
+              async_op: bool = False) -> int | IOFuture:
+        """Read into ``buffer`` at ``offset`` (see :meth:`aioswap.AioHandle.pread`)."""
+        assert self._handle is not None
+        return self._handle.pread(buffer, self, offset, nbytes=nbytes, async_op=async_op)
+
+    def pwrite(self, buffer: Any, offset: int = 0, *, nbytes: int | None = None,
+               async_op: bool = False, fsync: bool = False) -> int | IOFuture:
+        """Write ``buffer`` at ``offset`` (see :meth:`aioswap.AioHandle.pwrite`)."""
+        assert self._handle is not None
+        return self._handle.pwrite(buffer, self, offset, nbytes=nbytes, async_op=async_op,
+                                   fsync=fsync)
+
+    def fsync(self) -> None:
+        """Make the data and size written so far durable."""
+        os.fsync(self.fileno())
+
+    def fileno(self) -> int:
+        if self._closed or self._fd < 0:
+            raise ValueError(f"I/O on closed file {self.name}")
+        return self._fd
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close the file; requests in flight on it finish first (then the fd is closed)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            last = self._users == 0
+        if last:
+            self._close_fd()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("direct" if self.direct else "buffered")
+        return f"<AioFile {self.name} {state}>"
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self._closed = True
+            if getattr(self, "_users", 1) == 0:
+                try:
+                    self._close_fd()
+                except OSError:
+                    pass
+
+
+def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
+              perm: int = DEFAULT_FILE_MODE, transient: bool = False,
+              on_buffered: Any = None) -> AioFile:
+    """Open ``path`` (``mode`` as in :data:`_MODES`) with ``O_DIRECT`` when it works."""
+    try:
+        flags, readable, writable = _MODES[mode]
+    except KeyError:
+        raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}") from None
+    name = repr(os.fsdecode(path))
+    # O_NONBLOCK: a FIFO in place of a data file must not block the open (it is refused
+    # below); it changes nothing for regular files and block devices.
+    base = flags | os.O_CLOEXEC | os.O_NONBLOCK
+    direct = True
+    try:
+        fd = os.open(path, base | os.O_DIRECT, perm)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            if exc.errno == errno.EISDIR:
+                raise IsADirectoryError(errno.EISDIR, "is a directory", name) from None
+            raise
+        fd = os.open(path, base & ~(os.O_TRUNC | os.O_EXCL), perm)
+        direct = False
+    try:
+        st = os.fstat(fd)
+        _check_kind(st, name)
+        fcntl.fcntl(fd, fcntl.F_SETFL, os.O_DIRECT if direct else 0)     # O_NONBLOCK off
+        if not direct and on_buffered is not None:
+            on_buffered(name)
+        return AioFile(handle, fd, name, direct=direct, readable=readable,
+                       writable=writable, st=st, transient=transient)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_fd(handle: AioHandle | None, fd: int, write: bool, *,
+            on_buffered: Any = None) -> AioFile:
+    """A short-lived AioFile over a caller's fd: its own descriptor, so the caller may close
+    ``fd`` while a request on it is queued."""
+    name = f"fd {fd}"
+    try:
+        fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{name} is not an open file descriptor") from None
+    acc = fl & os.O_ACCMODE
+    if write and acc == os.O_RDONLY:
+        raise PermissionError(errno.EBADF, f"{name} is not open for writing")
+    if not write and acc == os.O_WRONLY:
+        raise PermissionError(errno.EBADF, f"{name} is not open for reading")
+    if write and fl & os.O_APPEND:
+        raise ValueError(f"{name} is open with O_APPEND: the kernel would put every write at "
+                         f"the end of the file, not at its offset; open it without O_APPEND")
+    st = os.fstat(fd)
+    _check_kind(st, name)
+    direct = bool(fl & os.O_DIRECT)
+    if direct:
+        own = os.dup(fd)
+    else:
+        # a descriptor of our own with O_DIRECT (the caller's file offset is untouched)
+        try:
+            own = os.open(f"/proc/self/fd/{fd}", (fl & os.O_ACCMODE) | os.O_DIRECT
+                          | os.O_CLOEXEC)
+            direct = True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            own = os.dup(fd)
+            if on_buffered is not None:
+                on_buffered(name)
+    try:
+        return AioFile(handle, own, name, direct=direct, readable=acc != os.O_WRONLY,
+                       writable=acc != os.O_RDONLY, st=st, transient=True)
+    except BaseException:
+        os.close(own)
+        raise

@@ -1,0 +1,250 @@
+"""Many small requests: aioswap against fio (libaio) and os.preadv/os.pwritev, one run.
+
+Random O_DIRECT reads and writes of 4 KiB, 64 KiB and 256 KiB on one file into page-locked
+memory, measured side by side (methods alternate per round; the median of the rounds is
+shown with its spread):
+
+* ``sync file``: ``f.pread(view, off)`` one request at a time on ``h.open(path)``
+* ``sync fd``: ``h.pread(view, fd, off)`` one at a time on an O_DIRECT fd
+* ``os``: ``os.preadv``/``os.pwritev`` on the same O_DIRECT fd
+* ``fio qd1``: fio's libaio engine, iodepth 1
+* ``async x32``: 32 ``f.pread(..., async_op=True)`` in flight, then ``h.wait()``
+* ``fio qd32``: fio libaio, iodepth 32
+
+Then large transfers (``--large``, bs 1 MiB, qd 32): direct (pinned) and bounce (unpinned,
+misaligned tensor) against fio, with CPU seconds per GiB of each (``resource.getrusage``).
+
+Units: IOPS and GB/s (10^9 B/s); ratios are aioswap / other (bigger is better).
+Tiny defaults make a smoke test; ``--file-size 256M --ops 20000 --large 1G`` are real sizes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import aioswap
+from aioswap import pinned
+
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def size(text: str) -> int:
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if t and t[-1] in UNITS:
+        return int(float(t[:-1]) * UNITS[t[-1]])
+    return int(t)
+
+
+def human(n: int) -> str:
+    for unit, k in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= k and n % k == 0:
+            return f"{n // k}{unit}"
+    return str(n)
+
+
+def cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def fio(path: str, rw: str, bs: int, qd: int, nbytes: int, file_size: int) -> float | None:
+    """IOPS of fio's libaio engine, or None when fio is missing."""
+    exe = shutil.which("fio")
+    if exe is None:
+        return None
+    cmd = [exe, "--name=b", f"--filename={path}", f"--rw={rw}", f"--bs={bs}",
+           f"--iodepth={qd}", "--ioengine=libaio", "--direct=1", f"--size={file_size}",
+           f"--io_size={nbytes}", "--norandommap", "--randrepeat=0", "--output-format=json",
+           "--group_reporting"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    side = job["read" if "read" in rw else "write"]
+    return float(side["iops"])
+
+
+def offsets(n: int, bs: int, file_size: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    slots = file_size // bs
+    return [rng.randrange(slots) * bs for _ in range(n)]
+
+
+def run_small(h: aioswap.AioHandle, path: str, fd: int, bs: int, ops: int, qd: int,
+              file_size: int, write: bool, rounds: int) -> dict[str, list[float]]:
+    buf = pinned.empty(qd * bs, torch.uint8, strict=False)
+    buf.copy_(torch.randint(0, 256, (qd * bs,), dtype=torch.uint8))
+    views = [buf[i * bs:(i + 1) * bs] for i in range(qd)]
+    mv = memoryview(buf.numpy())
+    mvs = [mv[i * bs:(i + 1) * bs] for i in range(qd)]
+    res: dict[str, list[float]] = {k: [] for k in
+                                   ("sync file", "sync fd", "os", "fio qd1", "async x32",
+                                    "fio qd32")}
+    f = h.open(path, "r+")
+    try:
+        for r in range(rounds):
+            offs = offsets(ops, bs, file_size, r)
+            # sync through the open file
+            t0 = time.perf_counter()
+            call = f.pwrite if write else f.pread
+            for i, off in enumerate(offs):
+                call(views[i % qd], off)
+            res["sync file"].append(ops / (time.perf_counter() - t0))
+            # sync through the fd
+            hcall = h.pwrite if write else h.pread
+            t0 = time.perf_counter()
+            for i, off in enumerate(offs):
+                hcall(views[i % qd], fd, off)
+            res["sync fd"].append(ops / (time.perf_counter() - t0))
+            # os.preadv / os.pwritev on the O_DIRECT fd
+            t0 = time.perf_counter()
+            if write:
+                for i, off in enumerate(offs):
+                    os.pwritev(fd, [mvs[i % qd]], off)
+            else:
+                for i, off in enumerate(offs):
+                    os.preadv(fd, [mvs[i % qd]], off)
+            res["os"].append(ops / (time.perf_counter() - t0))
+            v = fio(path, "randwrite" if write else "randread", bs, 1, ops * bs, file_size)
+            if v is not None:
+                res["fio qd1"].append(v)
+            # 32 async requests in flight, then wait()
+            t0 = time.perf_counter()
+            for start in range(0, ops, qd):
+                for i, off in enumerate(offs[start:start + qd]):
+                    call(views[i], off, async_op=True)
+                h.wait()
+            res["async x32"].append(ops / (time.perf_counter() - t0))
+            v = fio(path, "randwrite" if write else "randread", bs, qd, ops * bs, file_size)
+            if v is not None:
+                res["fio qd32"].append(v)
+    finally:
+        f.close()
+    return res
+
+
+def fmt(vals: list[float]) -> str:
+    if not vals:
+        return "-"
+    m = statistics.median(vals)
+    spread = (max(vals) - min(vals)) / m * 100 if m else 0.0
+    return f"{m:,.0f} ±{spread / 2:.0f}%"
+
+
+def ratio(a: list[float], b: list[float]) -> str:
+    if not a or not b:
+        return "-"
+    return f"{statistics.median(a) / statistics.median(b):.2f}x"
+
+
+def run_large(h: aioswap.AioHandle, d: str, nbytes: int, rounds: int) -> None:
+    path = os.path.join(d, "aioswap-bench-large.bin")
+    pinned_t = pinned.empty(nbytes, torch.uint8, strict=False)
+    pinned_t.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+    base = torch.empty(nbytes + 64, dtype=torch.uint8)
+    unpinned = base[3:3 + nbytes]                      # misaligned, not page-locked
+    unpinned.copy_(pinned_t)
+    res: dict[str, list[tuple[float, float]]] = {}
+    try:
+        h.pwrite(pinned_t, path, fsync=True)
+        for _ in range(rounds):
+            for name, t in (("direct", pinned_t), ("bounce", unpinned)):
+                for op in ("write", "read"):
+                    c0, t0 = cpu_s(), time.perf_counter()
+                    if op == "write":
+                        h.pwrite(t, path, fsync=True)
+                    else:
+                        h.pread(t, path)
+                    dt, dc = time.perf_counter() - t0, cpu_s() - c0
+                    res.setdefault(f"{name} {op}", []).append((nbytes / dt / 1e9,
+                                                               dc / (nbytes / (1 << 30))))
+            for op, rw in (("write", "write"), ("read", "read")):
+                v = fio(path, rw, 1 << 20, 32, nbytes, nbytes)
+                if v is not None:
+                    res.setdefault(f"fio {op}", []).append((v * (1 << 20) / 1e9, 0.0))
+    finally:
+        os.unlink(path)
+    print(f"\nLarge transfers: {human(nbytes)} at bs 1M qd 32 (GB/s = 10^9 B/s, median; "
+          f"ratio = aioswap / other, bigger is better; CPU = seconds of CPU per GiB)")
+    print(f"{'path':<14}{'op':<7}{'GB/s':>8}{'CPU s/GiB':>11}{'vs fio':>9}{'vs direct':>11}")
+
+    def med(key: str, i: int) -> float | None:
+        v = res.get(key)
+        return statistics.median(x[i] for x in v) if v else None
+
+    for op in ("write", "read"):
+        f = med(f"fio {op}", 0)
+        d_ = med(f"direct {op}", 0)
+        for name in ("direct", "bounce", "fio"):
+            g = med(f"{name} {op}", 0)
+            if g is None:
+                continue
+            c = med(f"{name} {op}", 1) if name != "fio" else None
+            vs_fio = f"{g / f:.2f}x" if f and name != "fio" else "-"
+            vs_d = f"{g / d_:.2f}x" if d_ and name == "bounce" else "-"
+            print(f"{name:<14}{op:<7}{g:>8.2f}{(f'{c:.3f}' if c is not None else '-'):>11}"
+                  f"{vs_fio:>9}{vs_d:>11}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", default=".", help="directory on the drive to test (default .)")
+    ap.add_argument("--file-size", type=size, default=size("16M"),
+                    help="size of the test file (default 16M; real: 256M)")
+    ap.add_argument("--sizes", default="4K,64K,256K", help="request sizes (default 4K,64K,256K)")
+    ap.add_argument("--ops", type=int, default=256, help="requests per measurement (default 256)")
+    ap.add_argument("--qd", type=int, default=32, help="requests in flight for async (default 32)")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds, methods alternating")
+    ap.add_argument("--large", type=size, default=size("32M"),
+                    help="size of the large-transfer test (default 32M; real: 1G; 0 skips)")
+    ap.add_argument("--no-write", action="store_true", help="reads only")
+    a = ap.parse_args(argv)
+    if shutil.which("fio") is None:
+        print("fio is not installed: its columns are skipped", file=sys.stderr)
+    fd_path = tempfile.mkstemp(prefix="aioswap-bench-small-", dir=a.dir)
+    os.close(fd_path[0])
+    path = fd_path[1]
+    try:
+        with aioswap.AioHandle(block_size=1 << 20, queue_depth=a.qd) as h:
+            fill = pinned.empty(min(a.file_size, 64 << 20), torch.uint8, strict=False)
+            fill.copy_(torch.randint(0, 256, (fill.numel(),), dtype=torch.uint8))
+            for off in range(0, a.file_size, fill.numel()):
+                h.pwrite(fill[:min(fill.numel(), a.file_size - off)], path, off)
+            del fill
+            fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+            try:
+                print(f"Random O_DIRECT requests on a {human(a.file_size)} file in {a.dir}, "
+                      f"{a.ops} per measurement, {a.repeat} round(s). IOPS: median ±half the "
+                      f"spread; ratio = aioswap / other (bigger is better)")
+                print(f"{'op':<6}{'size':>6}{'sync file':>16}{'sync fd':>16}{'os':>16}"
+                      f"{'fio qd1':>16}{'async x32':>16}{'fio qd32':>16}"
+                      f"{'file/os':>9}{'x32/fio32':>11}")
+                for op in ("read",) if a.no_write else ("read", "write"):
+                    for bs in (size(s) for s in a.sizes.split(",")):
+                        r = run_small(h, path, fd, bs, a.ops, a.qd, a.file_size,
+                                      op == "write", a.repeat)
+                        print(f"{op:<6}{human(bs):>6}" + "".join(
+                            f"{fmt(r[k]):>16}" for k in ("sync file", "sync fd", "os",
+                                                         "fio qd1", "async x32", "fio qd32"))
+                              + f"{ratio(r['sync file'], r['os']):>9}"
+                              f"{ratio(r['async x32'], r['fio qd32']):>11}", flush=True)
+            finally:
+                os.close(fd)
+            if a.large:
+                run_large(h, a.dir, a.large, a.repeat)
+    finally:
+        os.unlink(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
