@@ -40,7 +40,9 @@ from aioswap.tune.measure import drop_cache  # noqa: F401  (transitional: use be
 if TYPE_CHECKING:
     from aioswap import tune as tune_mod
 
-__all__ = ["format_size", "main", "parse_size"]
+# The tools' units, public for the benchmark scripts (benchmarks/_common.py): one parser and
+# formatter of sizes, one GB/s.
+__all__ = ["GB", "UNITS_NOTE", "format_size", "main", "parse_size", "short_size"]
 
 #: bench refuses smaller sizes: the timings would be noise (and 0.00 GB/s at two decimals).
 MIN_BENCH_SIZE = 1 << 20

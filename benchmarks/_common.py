@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
-from aioswap._units import GB, UNITS_NOTE, format_size, parse_size, short_size
+from aioswap.cli import GB, UNITS_NOTE, format_size, parse_size, short_size
 from aioswap.tune import drop_cache as _drop_cache
 
 __all__ = [

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Time aioswap's kernel AIO engine against fio's libaio engine on the same file.
 
-The engine writes a file with O_DIRECT from a page-locked buffer and reads it back; where
+aioswap (an ``AioHandle`` moving a page-locked buffer: the direct ``O_DIRECT`` path, straight
+into the engine) writes a file and reads it back; where
 ``fio`` is installed, fio runs with the same parameters (``--ioengine=libaio --direct=1``,
 same block size, queue depth, size and file) in the same run. Engine and fio alternate for
 ``--repeat`` rounds (who goes first alternates too), so drift and noise hit both alike, and
-the best and median of the rounds are reported. Throughput is in GB/s = 10^9 bytes/s.
+the best and median of the rounds are reported. Throughput is in GB/s = 10^9 bytes/s; a
+ratio is aioswap / fio (bigger is better). Reads follow a page-cache drop, as fio's do.
 
 Before the timed rounds the file is written once, untimed, so that every timed write (ours
 and fio's) overwrites allocated blocks. The file is removed at the end.
@@ -19,49 +21,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 
-from aioswap import AioContext, dio_alignment, open_direct
-from aioswap._aio import LockedMemory
+import torch
+
+from _common import UNITS_NOTE, drop_cache, format_size, fio_path, run_fio, scratch_file, size_arg
+from aioswap import AioHandle, dio_alignment, pinned
 
 GB = 1e9
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _MAX_BUFFER = 1 << 30     # larger files cycle through a buffer of this size
-
-
-def parse_size(text: str) -> int:
-    """``4096``, ``512K``, ``1M``, ``1G``, ``1GiB``: powers of 1024."""
-    m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
-    if not m or int(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4096, 512K, 1M or 1G")
-    return int(m.group(1)) * _UNITS[m.group(2).upper()]
-
-
-def human(n: int) -> str:
-    for unit in ("TiB", "GiB", "MiB", "KiB"):
-        size = _UNITS[unit[0]]
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
-    return f"{n} B"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default=".", help="directory for the test file (default: .)")
-    p.add_argument("--size", type=parse_size, default=parse_size("1G"),
+    p.add_argument("--size", type=size_arg(), default=1 << 30,
                    help="file size, K/M/G suffixes are powers of 1024 (default: 1G)")
-    p.add_argument("--block-size", type=parse_size, default=parse_size("1M"),
+    p.add_argument("--block-size", type=size_arg(), default=1 << 20,
                    help="bytes per request (default: 1M)")
     p.add_argument("--queue-depth", type=int, default=32,
                    help="requests in flight (default: 32)")
     p.add_argument("--repeat", type=int, default=3, help="rounds (default: 3)")
-    p.add_argument("--fio", default=shutil.which("fio"),
+    p.add_argument("--fio", default=fio_path(),
                    help="fio executable (default: fio on PATH)")
     p.add_argument("--no-fio", action="store_true", help="time the engine only")
     p.add_argument("--json", action="store_true", help="print a JSON report instead of a table")
@@ -83,72 +67,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 class Engine:
-    """aioswap's engine on one file, one context, one page-aligned (locked) buffer."""
+    """aioswap on one file: one handle, one page-locked buffer (the direct path)."""
 
     def __init__(self, path: str, size: int, block_size: int, queue_depth: int) -> None:
         self.path, self.size, self.bs, self.qd = path, size, block_size, queue_depth
         nbuf = min(size, max(_MAX_BUFFER - _MAX_BUFFER % block_size, block_size))
-        try:
-            self.mem = LockedMemory(nbuf)
-        except OSError:                 # RLIMIT_MEMLOCK too small: aligned is what matters
-            self.mem = LockedMemory(nbuf, lock=False)
-        chunk = os.urandom(min(nbuf, 64 << 20))
-        view = memoryview(self.mem)
-        for start in range(0, nbuf, len(chunk)):
-            view[start:start + len(chunk)] = chunk[:nbuf - start]
-        view.release()
-        self.ctx = AioContext(queue_depth)
-        # one call for the whole file; a buffer smaller than the file is cycled through
-        a = self.mem.address
-        self.segments = [(a + off % nbuf, min(self.bs, size - off), off)
-                         for off in range(0, size, self.bs)] if nbuf < size else None
+        # strict=False: without enough RLIMIT_MEMLOCK this is aligned unlocked memory (the
+        # bounce path, reported below), which still runs.
+        self.mem = pinned.empty(nbuf, torch.uint8, strict=False)
+        self.mem.random_(0, 256)
+        self.handle = AioHandle(block_size=block_size, queue_depth=queue_depth)
+        self.chunks = [(off, min(nbuf, size - off)) for off in range(0, size, nbuf)]
 
     def run(self, op: str) -> float:
         """One timed pass over the whole file; returns GB/s."""
-        fd = open_direct(self.path, write=op == "write", create=op == "write")
-        knobs = dict(block_size=self.bs, queue_depth=self.qd, path=self.path)
-        try:
-            t0 = time.perf_counter()
-            if self.segments is None:
-                call = self.ctx.pwrite if op == "write" else self.ctx.pread
-                n = call(fd, self.mem, 0, self.size, **knobs)
-            else:
-                call = self.ctx.pwritev if op == "write" else self.ctx.preadv
-                n = call(fd, self.segments, **knobs)
-            elapsed = time.perf_counter() - t0
-        finally:
-            os.close(fd)
+        if op == "read":
+            drop_cache(self.path)
+        call = self.handle.pwrite if op == "write" else self.handle.pread
+        t0 = time.perf_counter()
+        if len(self.chunks) == 1:
+            n = call(self.mem, self.path, 0, nbytes=self.size)
+        else:   # one batched submission: every chunk in flight on the handle's queue
+            futures = [call(self.mem, self.path, off, nbytes=k, async_op=True)
+                       for off, k in self.chunks]
+            self.handle.wait()
+            n = sum(f.result() for f in futures)
+        elapsed = time.perf_counter() - t0
         assert n == self.size, (n, self.size)
         return self.size / elapsed / GB
 
     def close(self) -> None:
-        self.ctx.close()
-        self.mem.release()
+        self.handle.close()
 
 
 def fio_version(fio: str) -> str:
+    import subprocess
     return subprocess.run([fio, "--version"], capture_output=True, text=True,
                           check=True).stdout.strip()
-
-
-def run_fio(fio: str, path: str, op: str, size: int, block_size: int, queue_depth: int) -> float:
-    """fio with the engine's parameters on the same file; returns GB/s."""
-    cmd = [fio, "--name=aioswap-bench", f"--filename={path}", "--ioengine=libaio",
-           "--direct=1", f"--bs={block_size}", f"--iodepth={queue_depth}", f"--rw={op}",
-           f"--size={size}", "--numjobs=1", "--output-format=json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"fio failed ({proc.returncode}): {proc.stderr.strip()}\n"
-                           f"{' '.join(cmd)}")
-    out = proc.stdout
-    job = json.loads(out[out.index("{"):])["jobs"][0]
-    if job.get("error"):
-        raise RuntimeError(f"fio job error {job['error']}: {' '.join(cmd)}")
-    stats = job[op]
-    if stats["io_bytes"] != size:
-        raise RuntimeError(f"fio moved {stats['io_bytes']} bytes, expected {size}")
-    bw = stats["bw_bytes"] if "bw_bytes" in stats else stats["bw"] * 1024
-    return bw / GB
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -157,29 +112,32 @@ def summary(values: list[float]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    path = os.path.join(os.path.abspath(args.dir), f"aioswap-bench-{os.getpid()}.bin")
     results: dict[str, dict[str, list[float]]] = {"aioswap": {"write": [], "read": []}}
     if args.fio:
         results["fio"] = {"write": [], "read": []}
     engine = None
-    try:
-        engine = Engine(path, args.size, args.block_size, args.queue_depth)
-        engine.run("write")                                  # untimed: allocate the blocks
-        os.sync()
-        for rnd in range(args.repeat):
-            for op in ("write", "read"):
-                order = ["aioswap", "fio"] if rnd % 2 == 0 else ["fio", "aioswap"]
-                for who in order:
-                    if who == "aioswap":
-                        results["aioswap"][op].append(engine.run(op))
-                    elif args.fio:
-                        results["fio"][op].append(run_fio(args.fio, path, op, args.size,
-                                                          args.block_size, args.queue_depth))
-    finally:
-        if engine is not None:
-            engine.close()
-        if os.path.exists(path):
-            os.unlink(path)
+    with scratch_file(os.path.abspath(args.dir), "bench-engine") as path:
+        try:
+            engine = Engine(path, args.size, args.block_size, args.queue_depth)
+            engine.run("write")                                  # untimed: allocate the blocks
+            os.sync()
+            for rnd in range(args.repeat):
+                for op in ("write", "read"):
+                    order = ["aioswap", "fio"] if rnd % 2 == 0 else ["fio", "aioswap"]
+                    for who in order:
+                        if who == "aioswap":
+                            results["aioswap"][op].append(engine.run(op))
+                        elif args.fio:
+                            if op == "read":
+                                drop_cache(path)
+                            secs = run_fio(path, op, args.size, block_size=args.block_size,
+                                           queue_depth=args.queue_depth, fio=args.fio,
+                                           end_fsync=False)
+                            results["fio"][op].append(args.size / secs / GB)
+            stats = engine.handle.stats
+        finally:
+            if engine is not None:
+                engine.close()
 
     report = {
         "path": path, "size": args.size, "block_size": args.block_size,
@@ -196,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             # each round's pair ran back to back: their ratio is the least exposed to drift
             ratio["paired"] = statistics.median(a / b for a, b in zip(ours, theirs))
             report["ratio"][op] = ratio
+    report["aioswap_direct_bytes"] = stats.direct_bytes
+    report["aioswap_bounce_bytes"] = stats.bounce_bytes
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -203,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     against = (f"vs {report['fio_version']} (ioengine=libaio, direct=1)" if args.fio
                else "(fio not run)")
     print(f"aioswap engine {against} on {os.path.dirname(path)}")
-    print(f"file {human(args.size)}, block size {human(args.block_size)}, "
+    print(f"file {format_size(args.size)}, block size {format_size(args.block_size)}, "
           f"queue depth {args.queue_depth}, {args.repeat} round(s); "
-          f"GB/s = 10^9 bytes/s, best / median of the rounds")
+          f"best / median of the rounds; {UNITS_NOTE}")
     if args.fio:
         print("ratio = aioswap / fio: of the bests, of the medians, and the median of each "
               "round's back-to-back pair (paired)")
@@ -225,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     if not args.fio:
         print("fio not found: install fio (e.g. apt-get install fio) to compare")
+    if stats.bounce_bytes:
+        print(f"note: {stats.bounce_bytes} bytes went through the bounce path (the buffer could "
+              f"not be page-locked: RLIMIT_MEMLOCK?)")
     return 0
 
 

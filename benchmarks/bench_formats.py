@@ -23,82 +23,33 @@ the ratio aioswap / method (above 1: aioswap is faster). Every file created is r
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import json
 import math
-import mmap
 import os
-import shutil
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import aioswap
+from _common import (GB, UNITS_NOTE, drop_cache, fio_path, format_size, orders, scratch_file,
+                     size_arg, summarize, timed)
 from aioswap import pinned
-from aioswap.cli import drop_cache as _drop_cache
-from aioswap.cli import format_size, parse_size
 
-GB = 10**9
 FIO_BS, FIO_QD = 1 << 20, 32
 CACHE_NOTE = ("before every read the file is fsynced and dropped from the page cache with "
               "posix_fadvise(POSIX_FADV_DONTNEED); aioswap and fio read with O_DIRECT, "
               "bypassing it anyway")
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-
-
-def resident_fraction(path: str) -> float:
-    """Fraction of the file's pages in the page cache (mincore on a mapping that faults
-    nothing in); NaN when it cannot be told."""
-    size = os.path.getsize(path)
-    if size == 0:
-        return 0.0
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            return float("nan")
-        try:
-            pages = -(-size // mmap.PAGESIZE)
-            vec = (ctypes.c_ubyte * pages)()
-            if _libc.mincore(addr, size, vec) != 0:
-                return float("nan")
-            return sum(v & 1 for v in vec) / pages
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-
-
-def drop_cache(path: str) -> float:
-    """fsync, evict the file's pages; return the fraction still resident."""
-    _drop_cache(path)
-    return resident_fraction(path)
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
 
 class Bench:
     """The data, the handle and the scratch files of one run."""
 
-    def __init__(self, directory: str, size: int) -> None:
+    def __init__(self, path: str, size: int) -> None:
         self.size = size
-        self.path = os.path.join(directory, f".aioswap-bench-formats-{os.getpid()}.bin")
+        self.path = path
         gen = torch.Generator().manual_seed(20240601)
         self.plain = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
         # strict=False: without CAP_IPC_LOCK / enough RLIMIT_MEMLOCK this falls back to
@@ -112,8 +63,6 @@ class Bench:
 
     def close(self) -> None:
         self.handle.close()
-        if os.path.exists(self.path):
-            os.unlink(self.path)
 
     def _before_read(self) -> None:
         r = drop_cache(self.path)
@@ -203,7 +152,7 @@ class Bench:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", default=".", help="directory for the scratch file (default .)")
-    p.add_argument("--size", type=parse_size, default=parse_size("1G"),
+    p.add_argument("--size", type=size_arg(), default=1 << 30,
                    help="tensor size, K/M/G suffixes are powers of 1024 (default 1G)")
     p.add_argument("--repeat", type=int, default=3, help="rounds (default 3)")
     p.add_argument("--no-fio", action="store_true", help="leave fio out")
@@ -216,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     size, directory = a.size, os.path.abspath(a.dir)
 
     notes: list[str] = []
-    bench = Bench(directory, size)
+    with scratch_file(directory, "bench-formats") as path:
+        return _run(a, size, directory, path, notes)
+
+
+def _run(a: argparse.Namespace, size: int, directory: str, path: str, notes: list[str]) -> int:
+    bench = Bench(path, size)
     methods: dict[str, Callable[[], tuple[float, float]]] = {
         "aioswap (pinned, direct)": bench.aioswap,
         "python buffered": bench.buffered,
@@ -227,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     elif size % FIO_BS:
         notes.append(f"fio left out: the size is not a multiple of its {format_size(FIO_BS)} "
                      f"block size")
-    elif shutil.which("fio"):
+    elif fio_path():
         methods[f"fio libaio (bs {format_size(FIO_BS)}, qd {FIO_QD})"] = bench.fio
     else:
         notes.append("fio not installed (apt-get install fio): left out")
@@ -235,11 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     names = list(methods)
     times: dict[str, list[tuple[float, float]]] = {m: [] for m in names}
     try:
-        for rnd in range(a.repeat):
-            order = names[rnd % len(names):] + names[:rnd % len(names)]
+        for rnd, order in enumerate(orders(names, a.repeat)):
             for name in order:
                 times[name].append(methods[name]())
-                os.unlink(bench.path)
+                os.truncate(bench.path, 0)
                 print(f"round {rnd + 1}/{a.repeat}: {name} done", file=sys.stderr)
         stats = bench.handle.stats
     finally:
@@ -249,9 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         w = [size / t[0] / GB for t in times[name]]
         r = [size / t[1] / GB for t in times[name]]
-        rows.append({"method": name, "write_GBps": statistics.median(w),
-                     "read_GBps": statistics.median(r), "write_GBps_all": w,
-                     "read_GBps_all": r})
+        sw, sr = summarize(w), summarize(r)
+        rows.append({"method": name, "write_GBps": sw.median, "read_GBps": sr.median,
+                     "write_GBps_all": w, "read_GBps_all": r, "write_spread": sw.spread,
+                     "read_spread": sr.spread})
     ref = rows[0]
     for row in rows:
         row["aioswap_vs_write"] = ref["write_GBps"] / row["write_GBps"]
@@ -274,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_formats: one {format_size(size)} uint8 tensor in {directory}, "
           f"{a.repeat} round(s), methods alternating")
     print(f"({result['writes']}; {cache})")
-    print("GB/s = 10^9 bytes per second (decimal), median over rounds; "
-          "ratio = aioswap / method (above 1: aioswap is faster)\n")
+    print(f"median over rounds; {UNITS_NOTE}: above 1, aioswap is faster\n")
     print(f"{'method':<32}{'write GB/s':>11}{'read GB/s':>11}{'aioswap/w':>11}{'aioswap/r':>11}")
     for row in rows:
         print(f"{row['method']:<32}{row['write_GBps']:>11.2f}{row['read_GBps']:>11.2f}"

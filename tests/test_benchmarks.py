@@ -1,12 +1,17 @@
 """Smoke tests for the scripts in ``benchmarks/``: each runs at a tiny size in a subprocess,
-exits 0, prints its figures and leaves no file behind.
+exits 0, prints its figures and leaves no file behind; and ``benchmarks/_common.py``, which they
+share, and the rule that they use aioswap's public API only.
 
-bench_engine.py, bench_pinned.py and bench_swap.py are smoke-tested by their owners' test files.
+bench_engine.py, bench_pinned.py, bench_swap.py, bench_dcp.py and bench_safetensors.py are
+smoke-tested by their owners' test files.
 """
 from __future__ import annotations
 
+import ast
+import io
 import json
 import math
+import os
 import re
 import shutil
 import statistics
@@ -18,7 +23,9 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 TESTED_HERE = {"bench_formats.py", "bench_handle.py", "gpu_check.py"}
-TESTED_ELSEWHERE = {"bench_engine.py", "bench_pinned.py", "bench_swap.py"}
+TESTED_ELSEWHERE = {"bench_engine.py", "bench_pinned.py", "bench_swap.py", "bench_dcp.py",
+                    "bench_safetensors.py", "bench_small_io.py"}
+MINE = {"_common.py", "bench_engine.py", "bench_formats.py", "bench_pinned.py"}
 TIMEOUT = 300
 NUMBER = r"\d+\.\d\d"
 
@@ -36,7 +43,7 @@ def table_row(out: str, method: str) -> list[float]:
 
 
 def test_every_script_is_smoke_tested() -> None:
-    scripts = {p.name for p in BENCHMARKS.glob("*.py")}
+    scripts = {p.name for p in BENCHMARKS.glob("*.py")} - {"_common.py"}
     assert TESTED_HERE <= scripts
     assert scripts <= TESTED_HERE | TESTED_ELSEWHERE, scripts - TESTED_HERE - TESTED_ELSEWHERE
 
@@ -52,9 +59,9 @@ def test_bench_formats(tmp_dir: Path) -> None:
     for method in methods:
         figures = table_row(out, method)
         assert len(figures) == 4, (method, out)
-        assert all(v >= 0 for v in figures)
+        assert all(v > 0 for v in figures[2:]), (method, figures)   # ratios: never 0.00
     assert table_row(out, "aioswap (pinned, direct)")[2:] == [1.0, 1.0]  # ratios to itself
-    assert "10^9 bytes per second" in out and "posix_fadvise" in out
+    assert "GB/s = 10^9 bytes/s" in out and "aioswap / other" in out and "posix_fadvise" in out
     assert "100% of the aligned bytes direct" in out
     assert list(tmp_dir.iterdir()) == []
 
@@ -96,7 +103,7 @@ def test_bench_handle(tmp_dir: Path) -> None:
     out = done.stdout
     for method in ("aioswap direct (pinned)", "aioswap bounce (unpinned)"):
         figures = table_row(out, method)
-        assert len(figures) == 6 and all(v >= 0 for v in figures), (method, out)
+        assert len(figures) == 6, (method, out)
     assert table_row(out, "aioswap direct (pinned)")[4:] == [1.0, 1.0]
     if shutil.which("fio"):
         assert len(table_row(out, "fio libaio")) == 6
@@ -119,3 +126,86 @@ def test_gpu_check(tmp_dir: Path) -> None:
         assert len(table_row(done.stdout, "CUDA bounce (AioHandle)")) == 4
         assert "MISMATCH" not in done.stdout
     assert list(tmp_dir.iterdir()) == []
+
+
+# -- benchmarks/_common.py -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def common() -> object:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import _common
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return _common
+
+
+def test_common_scratch_file(common: object, tmp_dir: Path) -> None:
+    c: object = common
+    with c.scratch_file(str(tmp_dir), "x") as path:  # type: ignore[attr-defined]
+        st = os.lstat(path)
+        assert st.st_mode & 0o777 == 0o600 and os.path.basename(path).startswith(".aioswap-x-")
+        Path(path).write_bytes(os.urandom(8192))
+        assert c.drop_cache(path) <= 1.0  # type: ignore[attr-defined]
+    assert list(tmp_dir.iterdir()) == []
+
+
+def test_common_rounds_and_summaries(common: object) -> None:
+    c: object = common
+    assert list(c.orders(["a", "b", "c"], 4)) == [  # type: ignore[attr-defined]
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    s = c.summarize([1.0, 3.0, 2.0])  # type: ignore[attr-defined]
+    assert (s.median, s.lo, s.hi, s.spread) == (2.0, 1.0, 3.0, 1.0)
+    assert math.isnan(c.summarize([]).median)  # type: ignore[attr-defined]
+    assert c.ratio(2.0, 1.0) == 2.0 and math.isnan(c.ratio(1.0, 0.0))  # type: ignore[attr-defined]
+
+
+def test_common_table_states_its_units(common: object) -> None:
+    c: object = common
+    out = io.StringIO()
+    c.print_table(["method", "write GB/s", "ratio"],  # type: ignore[attr-defined]
+                  [["aioswap", 1.234, 1.0], ["other", 0.5, math.nan]], title=["t"],
+                  notes=["n"], file=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "t" and lines[1].split() == ["method", "write", "GB/s", "ratio"]
+    assert lines[2].split() == ["aioswap", "1.23", "1.00"] and lines[3].split()[-1] == "-"
+    assert "GB/s = 10^9 bytes/s" in lines[4] and "aioswap / other" in lines[4]
+    assert lines[5] == "note: n"
+
+
+def test_common_size_arg(common: object) -> None:
+    import argparse
+    parse = common.size_arg(4096)  # type: ignore[attr-defined]
+    assert parse("1.5M") == 3 << 19
+    with pytest.raises(argparse.ArgumentTypeError, match="at least 4 KiB"):
+        parse("1000")
+
+
+def _aioswap_imports(path: Path) -> list[tuple[str, str]]:
+    """(module, name) for every ``import aioswap...`` / ``from aioswap... import name``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("aioswap"):
+            out += [(node.module or "", a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(a.name, "") for a in node.names if a.name.startswith("aioswap")]
+    return out
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py")))
+def test_benchmarks_use_public_api_only(script: str, request: pytest.FixtureRequest) -> None:
+    """No private module or name of aioswap (``aioswap._aio.LockedMemory`` was one)."""
+    if script == "gpu_check.py":  # reads the cuFile version through _cufile; not mine to fix
+        request.applymarker(pytest.mark.xfail(reason="its owner drops _cufile", strict=False))
+    for module, name in _aioswap_imports(BENCHMARKS / script):
+        assert not any(part.startswith("_") for part in module.split(".")), (script, module)
+        assert not name.startswith("_"), (script, module, name)
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py")
+                                           if p.name != "_common.py"))
+def test_benchmarks_share_common(script: str, request: pytest.FixtureRequest) -> None:
+    """Scratch files, the page cache and sizes come from _common, not from aioswap.cli."""
+    if script not in MINE:
+        request.applymarker(pytest.mark.xfail(reason="its owner moves it to _common", strict=False))
+    used = _aioswap_imports(BENCHMARKS / script)
+    assert not [u for u in used if u[0] == "aioswap.cli"], (script, used)
