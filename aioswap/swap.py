@@ -121,6 +121,7 @@ DEFAULT_PACK_BYTES = 1 << 30
 DEFAULT_PIN_BUDGET = 4 << 30
 _SPLIT_READ = 128 << 20       # verified reads larger than this are hashed as chunks land
 _PREFAULT_MIN = 1 << 20       # fresh host memory at least this large is touched before a read
+_DEFAULT_STAGING = 64 << 20
 
 _T = TypeVar("_T")
 _Device = Union[str, "torch.device", int, None]
@@ -363,7 +364,8 @@ class TensorSwapper:
         Worker threads running asynchronous swaps (operations in flight at once).
     staging_bytes : int, optional
         Bound on the contiguous copies made of non-contiguous tensors in flight; default the
-        handle's bounce pool size. A single tensor larger than this is still staged, alone.
+        handle's bounce pool size (64 MiB if it does not say). A single tensor larger than
+        this is still staged, alone.
     pin_memory : bool or None
         Where fresh CPU tensors that swap-ins create live. None (default): those of
         :meth:`swap_in_state_dict` in page-locked memory (``aioswap.pinned.empty(strict=
@@ -453,7 +455,11 @@ class TensorSwapper:
         except BaseException:
             self._dir.close()
             raise
-        cap = self._handle.bounce_pool_bytes if staging_bytes is None else int(staging_bytes)
+        if staging_bytes is None:
+            pool = getattr(self._handle, "bounce_pool_bytes", None)
+            cap = pool if isinstance(pool, int) and pool > 0 else _DEFAULT_STAGING
+        else:
+            cap = int(staging_bytes)
         self._staging = _ByteBudget(max(1, cap))
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_inflight, thread_name_prefix="aioswap-swap")
