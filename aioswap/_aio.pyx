@@ -864,7 +864,7 @@ cdef long _EDGE_POLL_NS = 200000
 
 
 cdef struct _FileCore:
-    int64_t logical_end         # largest end of the writes in flight (and the size before)
+    int64_t logical_end         # largest end of the writes in flight on the file
     int active_writes
 
 
@@ -892,8 +892,6 @@ cdef struct _Req:
     uint64_t err_nbytes
     bint eof
     bint stop                   # cut nothing new: failed or cancelled
-    bint padded                 # an edge block past the end of the file was written whole
-    bint fixed
     bint finished
     bint queued
     bint counted_write
@@ -910,7 +908,8 @@ cdef struct _Slot:
     int buf
     int lock
     bint fresh
-    bint pads
+    bint pads                   # an edge block past the end of the file is written whole
+    uint64_t rgot               # bytes of the edge block that existed (its read)
     int err
     bint eof
     uint64_t uaddr
@@ -1041,19 +1040,30 @@ cdef void _unlink(_Q* q, _Req* r) noexcept nogil:
     r.queued = False
 
 
-cdef void _fixup(_Req* r) noexcept nogil:
-    """A padded edge block may have grown the file past the data: cut it back."""
+cdef void _fixup(_Slot* sl) noexcept nogil:
+    """An edge block past the end of the file was written whole: cut the padding off.
+
+    Runs while the block is still locked. The file keeps every byte that existed (what the
+    block's read returned), the request's bytes, and room for every write in flight on the
+    file (their ends are in ``logical_end``), so no concurrent writer loses data.
+    """
     cdef struct_stat st
+    cdef _Req* r = sl.req
+    cdef int64_t end = sl.foff + <int64_t>(sl.skip + sl.ulen)
     cdef int e = 0
+    if sl.foff + <int64_t>sl.rgot > end:
+        end = sl.foff + <int64_t>sl.rgot
     pt.pthread_mutex_lock(&_edge_mu)
+    if r.file.logical_end > end:
+        end = r.file.logical_end
     if fstat(r.fd, &st) != 0:
         e = errno
-    elif st.st_size > r.file.logical_end:
-        if ftruncate(r.fd, r.file.logical_end) != 0:
+    elif st.st_size > end:
+        if ftruncate(r.fd, end) != 0:
             e = errno
     pt.pthread_mutex_unlock(&_edge_mu)
     if e:
-        _set_err(r, e, r.file.logical_end, 0)
+        sl.err = e
 
 
 cdef void _maybe_finish(_Q* q, _Req* r) noexcept nogil:
@@ -1062,9 +1072,6 @@ cdef void _maybe_finish(_Q* q, _Req* r) noexcept nogil:
         return
     if not r.stop and r.stage < ST_FSYNC:
         return
-    if r.padded and not r.fixed and r.file != NULL:
-        r.fixed = True
-        _fixup(r)
     if not r.stop and r.stage == ST_FSYNC and r.fsync:
         return                              # its fsync piece is cut next
     _unlink(q, r)
@@ -1149,11 +1156,6 @@ cdef int _cut_one(_Q* q, _Req* r) noexcept nogil:
                 continue
             if r.inflight > 0:
                 return -1
-            if r.padded and not r.fixed and r.file != NULL:
-                r.fixed = True
-                _fixup(r)
-                if r.stop:
-                    return -1
             kind = K_FSYNC
             nstage = ST_DONE
             break
@@ -1229,6 +1231,8 @@ cdef void _account(_Q* q, int s) noexcept nogil:
     """q.mu held: a piece is over; give back its slot, buffer and edge lock."""
     cdef _Slot* sl = &q.slots[s]
     cdef _Req* r = sl.req
+    if sl.pads and not sl.err and r.file != NULL:
+        _fixup(sl)
     if sl.err:
         _set_err(r, sl.err, <int64_t>sl.cb.aio_offset, sl.cb.aio_nbytes)
     elif sl.eof:
@@ -1239,8 +1243,6 @@ cdef void _account(_Q* q, int s) noexcept nogil:
         r.stop = True
     elif sl.kind != K_FSYNC:
         r.done += sl.ulen
-    if sl.pads:
-        r.padded = True
     if sl.buf >= 0:
         q.free_bufs[q.nfreebuf] = sl.buf
         q.nfreebuf += 1
@@ -1273,6 +1275,7 @@ cdef bint _complete(_Q* q, int s, int64_t res) noexcept nogil:
         if got < sl.span and res > 0 and got % r.align == 0:
             _again(sl, res)
             return True
+        sl.rgot = got
         if got < sl.span:                   # the block runs past the end of the file
             memset(buf + got, 0, sl.span - got)
             sl.pads = True
@@ -1542,8 +1545,8 @@ cdef class FileState:
     """What every request on one file (inode) of this process shares.
 
     Edge blocks of writes are locked per ``FileState``, and the largest end of the writes in
-    flight lives here, so that a padded edge block never leaves the file longer than its
-    data. Make one per inode (the handle keeps a process-wide map).
+    flight lives here, so that cutting a padded edge block back never cuts a concurrent
+    write. Make one per inode (the handle keeps a process-wide map).
     """
     cdef _FileCore core
     cdef object __weakref__
@@ -1709,14 +1712,13 @@ cdef class AioQueue:
 
     def submit(self, int fd, bint write, size_t addr, uint64_t nbytes, int64_t offset,
                int mode, uint64_t align, uint64_t block, FileState file=None,
-               int64_t size=0, bint fsync=False, bint sync=False, object token=None):
+               bint fsync=False, bint sync=False, object token=None):
         """Queue one request and submit what can go now; returns its id.
 
         ``mode`` is MODE_DIRECT, MODE_BOUNCE or MODE_PLAIN; ``align`` the file's O_DIRECT
         offset alignment (1 for MODE_PLAIN); ``block`` the piece size (a multiple of
         ``align``; ring pieces are capped at the ring's buffer size). Writes that are not
-        aligned at both ends need ``file`` (edge blocks are locked per file) and ``size``
-        (the file's size now). A sync request is finished with :meth:`wait`; an asynchronous
+        aligned at both ends need ``file`` (edge blocks are locked per file). A sync request is finished with :meth:`wait`; an asynchronous
         one comes back from :meth:`serve` with ``token``.
         """
         cdef _Req* r
@@ -1773,7 +1775,7 @@ cdef class AioQueue:
             if write:
                 pt.pthread_mutex_lock(&_edge_mu)
                 if r.file.active_writes == 0:
-                    r.file.logical_end = size
+                    r.file.logical_end = 0
                 if offset + <int64_t>nbytes > r.file.logical_end:
                     r.file.logical_end = offset + <int64_t>nbytes
                 r.file.active_writes += 1

@@ -91,17 +91,20 @@ class HandleStats:
         return HandleStats(**{f.name: getattr(self, f.name) for f in fields(self)})
 
 
-@dataclass(frozen=True)
 class _Request:
     """One validated request, built once and passed down."""
 
-    write: bool
-    mem: Buffer
-    file: AioFile
-    offset: int
-    nbytes: int
-    fsync: bool
-    arg: FileArg                # what the caller passed as ``file`` (for the future)
+    __slots__ = ("arg", "file", "fsync", "mem", "nbytes", "offset", "write")
+
+    def __init__(self, write: bool, mem: Buffer, file: AioFile, offset: int, nbytes: int,
+                 fsync: bool, arg: FileArg) -> None:
+        self.write = write
+        self.mem = mem
+        self.file = file
+        self.offset = offset
+        self.nbytes = nbytes
+        self.fsync = fsync
+        self.arg = arg              # what the caller passed as ``file`` (for the future)
 
     @property
     def op(self) -> str:
@@ -549,7 +552,8 @@ class AioHandle:
     def _request(self, write: bool, buffer: Any, file: FileArg, offset: Any,
                  nbytes: Any, async_op: bool, fsync: bool) -> int | IOFuture:
         op = "write" if write else "read"
-        self._check(f"{op} of {describe(file)}")
+        if self._closed or self._pid != os.getpid():
+            self._check(f"{op} of {describe(file)}")
         offset = _integer(offset, "offset", file)
         if offset < 0:
             raise ValueError(f"negative file offset {offset} for {describe(file)}")
@@ -575,8 +579,6 @@ class AioHandle:
                     f"read of {n} bytes at offset {offset} from {f.name} goes past the end "
                     f"of the file ({size} bytes)", path=f.name, offset=offset, nbytes=n,
                     file_size=size)
-            if mem.device == "cpu" and mem.contiguous and not write and n:
-                _aio.probe_writable(mem.address, n)
             req = _Request(write, mem, f, offset, n, fsync, file)
             with self._lock:
                 if self._closed:
@@ -644,12 +646,11 @@ class AioHandle:
         cuts.append(n)
         return list(zip(cuts, (b - a for a, b in zip(cuts, cuts[1:]))))
 
-    def _mode(self, req: _Request) -> int:
-        """How the pieces of a contiguous host request run; the bytes are counted per path."""
+    def _mode(self, req: _Request) -> tuple[int, dict[str, int]]:
+        """How the pieces of a contiguous host request run, and the bytes per path."""
         f, mem, n = req.file, req.mem, req.nbytes
         if not f.direct:
-            self._count(buffered_bytes=n)
-            return _aio.MODE_PLAIN
+            return _aio.MODE_PLAIN, {"buffered_bytes": n}
         align = f.off_align
         head = min(n, (-req.offset) % align)
         tail = (req.offset + n) % align
@@ -657,9 +658,17 @@ class AioHandle:
         middle = n - edges
         direct = (middle > 0 and (mem.address + head) % f.mem_align == 0
                   and pinned.is_pinned((mem.address + head, middle)))
-        self._count(head_tail_bytes=edges,
-                    **{("direct_bytes" if direct else "bounce_bytes"): middle})
-        return _aio.MODE_DIRECT if direct else _aio.MODE_BOUNCE
+        if not req.write and (edges or not direct):
+            # the engine copies into this memory itself: a read-only mapping must be an
+            # error here, not a fault in the copy
+            try:
+                _aio.probe_writable(mem.address, n)
+            except BufferError as exc:
+                raise ValueError(f"read of {n} bytes from {f.name} into memory that is not "
+                                 f"writable: {exc}") from None
+        if direct:
+            return _aio.MODE_DIRECT, {"head_tail_bytes": edges, "direct_bytes": middle}
+        return _aio.MODE_BOUNCE, {"head_tail_bytes": edges, "bounce_bytes": middle}
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -675,14 +684,12 @@ class AioHandle:
         error propagates.
         """
         f, mem = req.file, req.mem
-        mode = self._mode(req)
+        mode, paths = self._mode(req)
         block = self._block(f)
-        size = f.size() if req.write else 0
         fsync = req.fsync and len(slices) == 1
         if len(slices) == 1:
-            with self._lock:
-                self._rr += 1
-                lanes = [self._lanes[self._rr % len(self._lanes)]]
+            self._rr = rr = (self._rr + 1) % len(self._lanes)     # a hint: races are fine
+            lanes = [self._lanes[rr]]
         else:
             lanes = self._lanes
         submitted: list[tuple[_Lane, int]] = []
@@ -695,13 +702,16 @@ class AioHandle:
                     lane.start()
                 rid = lane.queue.submit(fd, req.write, mem.address + start, nbytes,
                                         req.offset + start, mode, f.off_align, block, f.state,
-                                        size, fsync, sync, token)
+                                        fsync, sync, token)
                 submitted.append((lane, rid))
         except BaseException as exc:
             exc.__aioswap_submitted__ = submitted      # type: ignore[attr-defined]
             if not submitted:
                 f.unuse()
             raise
+        finally:
+            if submitted:
+                self._count(**paths)
         return submitted
 
     # -- sync ------------------------------------------------------------------------------
