@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import aioswap
 from aioswap.compat import deepspeed as ads
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -32,6 +33,9 @@ PTH = "aioswap-deepspeed.pth"
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != ads.ENV_VAR}
+    # The child imports the aioswap under test, wherever this process found it.
+    root = str(Path(aioswap.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env.update(DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore", **extra)
     return env
 
