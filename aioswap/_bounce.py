@@ -79,7 +79,7 @@ class Ring:
         with self._lock:
             if self._cuda:
                 return
-            torch = sys.modules.get("torch")
+            torch: Any = sys.modules.get("torch")
             try:
                 rc = torch.cuda.cudart().cudaHostRegister(self._mem.address, self.nbytes, 0)
                 self._cuda = int(rc) == 0

@@ -131,7 +131,7 @@ class AioFile:
         self.mem_align = self._inode.mem_align if direct else 1
         self.off_align = self._inode.off_align if direct else 1
         self.block_device = stat.S_ISBLK(st.st_mode)
-        self._size0 = file_size(fd, st)
+        self._size0: int | None = file_size(fd, st)
         self._owned = owned
         self.transient = transient
         self._closed = False

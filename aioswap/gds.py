@@ -9,8 +9,6 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-import sys
-
 from aioswap import _cufile, pinned
 from aioswap.errors import CuFileUnavailable
 from aioswap.handle import AioHandle, DeviceTransport
@@ -43,13 +41,11 @@ class GdsHandle(AioHandle):
         self._pins: dict[int, tuple[Any, Any]] = {}
         self._pin_lock = threading.Lock()
         _cufile.load()
-        torch = sys.modules.get("torch")
-        if torch is None:
-            try:
-                import torch
-            except ImportError:
-                raise CuFileUnavailable("GdsHandle needs torch with CUDA; torch is not "
-                                        "installed") from None
+        try:
+            import torch
+        except ImportError:
+            raise CuFileUnavailable("GdsHandle needs torch with CUDA; torch is not "
+                                    "installed") from None
         if not torch.cuda.is_available():
             raise CuFileUnavailable("GdsHandle needs a CUDA device: torch.cuda.is_available() "
                                     "is False")

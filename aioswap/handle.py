@@ -776,9 +776,9 @@ class AioHandle:
         first: BaseException | None = None
         for res in results:
             done += res[0]
-            exc = self._result_error(req, *res)
-            if exc is not None and first is None:
-                first = exc
+            err = self._result_error(req, *res)
+            if err is not None and first is None:
+                first = err
         if first is not None:
             raise first
         if req.fsync and len(subs) > 1:
