@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from aioswap._units import GB, UNITS_NOTE, format_size, parse_size, short_size
-from aioswap.config import DEFAULT_CONFIG, AioConfig
+from aioswap.config import DEFAULT_CONFIG, AioConfig, default_config
 from aioswap.errors import ConfigError, DirectIOUnsupportedError, TuneError
 from aioswap.tune.measure import drop_cache  # noqa: F401  (transitional: use benchmarks/_common)
 
@@ -365,7 +365,7 @@ class _Progress:
     def __init__(self, total: int, desc: str, enabled: bool, stream: IO[str]) -> None:
         self.bar: Any = None
         if enabled and stream.isatty():
-            from tqdm import tqdm  # type: ignore[import-untyped]
+            from tqdm import tqdm
             self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True,
                             unit_divisor=1000, file=stream, leave=False, **_bar_width(stream))
 
@@ -620,16 +620,24 @@ def cmd_bench(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
 
 
 def _config_from_args(args: argparse.Namespace) -> AioConfig:
+    """The knobs: the flags given, else the AIOSWAP_* variables, else the defaults."""
+    changes: dict[str, Any] = {}
+    for key, value in (("block_size", args.block_size), ("queue_depth", args.queue_depth),
+                       ("intra_op_parallelism", args.parallelism)):
+        if value is not None:
+            changes[key] = value
+    if args.single_submit:
+        changes["single_submit"] = True
+    if args.no_overlap:
+        changes["overlap_events"] = False
     try:
-        return AioConfig(block_size=args.block_size, queue_depth=args.queue_depth,
-                         intra_op_parallelism=args.parallelism,
-                         single_submit=args.single_submit, overlap_events=not args.no_overlap,
-                         use_gds=getattr(args, "gds", False))
+        return default_config().replace(**changes)
     except ConfigError as e:
         msg = str(e).replace("invalid aio config: ", "")
         for key, flag in (("block_size", "--block-size"), ("queue_depth", "--queue-depth"),
                           ("intra_op_parallelism", "--parallelism")):
-            msg = msg.replace(key, flag)
+            if key in changes:
+                msg = msg.replace(key, flag)
         raise UsageError(msg) from None
 
 
@@ -697,11 +705,11 @@ def run_tune(*, dirs: Sequence[str], io_size: int, direction: tune_mod.Direction
             out.write(best_json + "\n")
     out.flush()
     err.write(f"aioswap tune: logs in {report.log_dir}\n")
-    if report.best is None:
+    if best_json is None:
         err.write(f"aioswap tune: error: {report.error}\n")
         return 1
     if output is not None:
-        Path(output).write_text(best_json + "\n", encoding="utf-8")  # type: ignore[operator]
+        Path(output).write_text(best_json + "\n", encoding="utf-8")
     if plot is not None:
         title = (f"aioswap tune: {format_size(io_size)} per point, {repeat} round(s), "
                  f"{', '.join(str(d) for d in dirs)}")
@@ -743,17 +751,19 @@ def cmd_tune(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
 
 def _add_knobs(p: argparse.ArgumentParser) -> None:
     d = DEFAULT_CONFIG
-    p.add_argument("--block-size", type=_size_type(), default=d.block_size, metavar="SIZE",
+    env = " or AIOSWAP_{}"
+    p.add_argument("--block-size", type=_size_type(), default=None, metavar="SIZE",
                    help=f"bytes per kernel request, any positive size (default "
-                        f"{short_size(d.block_size)})")
-    p.add_argument("--queue-depth", type=_int_type(1), default=d.queue_depth, metavar="N",
-                   help=f"requests in flight per AIO context (default {d.queue_depth})")
-    p.add_argument("--parallelism", type=_int_type(1), default=d.intra_op_parallelism,
-                   metavar="N", help="intra_op_parallelism: slices of one request moved "
-                                     "concurrently, each on its own context (default 1)")
-    p.add_argument("--single-submit", action="store_true",
+                        f"{short_size(d.block_size)}{env.format('BLOCK_SIZE')})")
+    p.add_argument("--queue-depth", type=_int_type(1), default=None, metavar="N",
+                   help=f"requests in flight per AIO context (default "
+                        f"{d.queue_depth}{env.format('QUEUE_DEPTH')})")
+    p.add_argument("--parallelism", type=_int_type(1), default=None, metavar="N",
+                   help=f"intra_op_parallelism: slices of one request moved concurrently, each "
+                        f"on its own context (default 1{env.format('INTRA_OP_PARALLELISM')})")
+    p.add_argument("--single-submit", action="store_true", default=None,
                    help="one request per io_submit call (single_submit=true)")
-    p.add_argument("--no-overlap", action="store_true",
+    p.add_argument("--no-overlap", action="store_true", default=None,
                    help="submit a batch and reap it whole (overlap_events=false)")
 
 

@@ -35,12 +35,13 @@ TIMEOUT = 300
 
 def run_cli(*args: str | os.PathLike[str], cwd: Path | None = None,
             timeout: float = TIMEOUT, prefix: Sequence[str] = (),
-            python: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+            python: Sequence[str] = (),
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``python -m aioswap ARGS`` in a subprocess, output captured as text; ``prefix`` runs it
     under another command (``prlimit``, ``setpriv``)."""
     return subprocess.run([*prefix, sys.executable, *python, "-m", "aioswap", *map(str, args)],
                           capture_output=True, text=True, cwd=cwd, timeout=timeout,
-                          check=False)
+                          check=False, env=None if env is None else {**os.environ, **env})
 
 
 def listing(d: Path) -> list[str]:
@@ -380,6 +381,21 @@ def test_bench_knobs(disk: Path) -> None:
     done = run_cli("bench", "--dir", disk, "--size", "1M", "--repeat", "1", "--write-only")
     assert done.returncode == 0, done.stderr
     assert "write GB/s" in done.stdout and "read GB/s" not in done.stdout
+    assert listing(disk) == []
+
+
+def test_bench_knobs_from_the_environment(disk: Path) -> None:
+    env = {"AIOSWAP_QUEUE_DEPTH": "4", "AIOSWAP_BLOCK_SIZE": "256K"}
+    done = run_cli("bench", "--dir", disk, "--size", "1M", "--repeat", "1", "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    cfg = json.loads(done.stdout)["config"]
+    assert (cfg["queue_depth"], cfg["block_size"]) == (4, 256 << 10)
+    done = run_cli("bench", "--dir", disk, "--size", "1M", "--repeat", "1", "--json",
+                   "--queue-depth", "8", env=env)
+    assert json.loads(done.stdout)["config"]["queue_depth"] == 8   # the flag wins
+    assert_usage_error(run_cli("bench", "--dir", disk, "--size", "1M",
+                               env={"AIOSWAP_QUEUE_DEPTH": "deep"}),
+                       "AIOSWAP_QUEUE_DEPTH='deep'")
     assert listing(disk) == []
 
 
