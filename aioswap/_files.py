@@ -229,8 +229,9 @@ class AioFile:
 
 def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
               perm: int = DEFAULT_FILE_MODE, transient: bool = False,
-              on_buffered: Any = None) -> AioFile:
-    """Open ``path`` (``mode`` as in :data:`_MODES`) with ``O_DIRECT`` when it works."""
+              on_buffered: Any = None, direct: bool = True) -> AioFile:
+    """Open ``path`` (``mode`` as in :data:`_MODES`) with ``O_DIRECT`` when it works
+    (and ``direct`` asks for it)."""
     try:
         flags, readable, writable = _MODES[mode]
     except KeyError:
@@ -239,21 +240,25 @@ def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
     # O_NONBLOCK: a FIFO in place of a data file must not block the open (it is refused
     # below); it changes nothing for regular files and block devices.
     base = flags | os.O_CLOEXEC | os.O_NONBLOCK
-    direct = True
+    refused = False
     try:
-        fd = os.open(path, base | os.O_DIRECT, perm)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            if exc.errno == errno.EISDIR:
-                raise IsADirectoryError(errno.EISDIR, "is a directory", name) from None
-            raise
-        fd = os.open(path, base & ~(os.O_TRUNC | os.O_EXCL), perm)
-        direct = False
+        if not direct:
+            fd = os.open(path, base, perm)
+        else:
+            try:
+                fd = os.open(path, base | os.O_DIRECT, perm)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                fd = os.open(path, base & ~(os.O_TRUNC | os.O_EXCL), perm)
+                direct, refused = False, True
+    except IsADirectoryError:
+        raise IsADirectoryError(errno.EISDIR, "is a directory", name) from None
     try:
         st = os.fstat(fd)
         _check_kind(st, name)
         fcntl.fcntl(fd, fcntl.F_SETFL, os.O_DIRECT if direct else 0)     # O_NONBLOCK off
-        if not direct and on_buffered is not None:
+        if refused and on_buffered is not None:
             on_buffered(name)
         return AioFile(handle, fd, name, direct=direct, readable=readable,
                        writable=writable, st=st, transient=transient)
@@ -263,7 +268,7 @@ def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
 
 
 def open_fd(handle: AioHandle | None, fd: int, write: bool, *,
-            on_buffered: Any = None) -> AioFile:
+            on_buffered: Any = None, direct: bool = True) -> AioFile:
     """A short-lived AioFile over a caller's fd: its own descriptor, so the caller may close
     ``fd`` while a request on it is queued."""
     name = f"fd {fd}"
@@ -281,19 +286,20 @@ def open_fd(handle: AioHandle | None, fd: int, write: bool, *,
                          f"the end of the file, not at its offset; open it without O_APPEND")
     st = os.fstat(fd)
     _check_kind(st, name)
-    direct = bool(fl & os.O_DIRECT)
-    if direct:
+    has_direct = bool(fl & os.O_DIRECT)
+    if has_direct == direct:
         own = os.dup(fd)
     else:
-        # a descriptor of our own with O_DIRECT (the caller's file offset is untouched)
+        # a descriptor of our own with the O_DIRECT we want (the caller's fd, its offset and
+        # flags are untouched: F_SETFL on a dup would change them too)
         try:
-            own = os.open(f"/proc/self/fd/{fd}", (fl & os.O_ACCMODE) | os.O_DIRECT
+            own = os.open(f"/proc/self/fd/{fd}", acc | (os.O_DIRECT if direct else 0)
                           | os.O_CLOEXEC)
-            direct = True
         except OSError as exc:
-            if exc.errno != errno.EINVAL:
+            if exc.errno != errno.EINVAL or not direct:
                 raise
             own = os.dup(fd)
+            direct = False
             if on_buffered is not None:
                 on_buffered(name)
     try:

@@ -35,7 +35,7 @@ import numpy as np
 from aioswap import _aio, _bounce, _files, pinned
 from aioswap._buffers import Buffer, resolve
 from aioswap._files import AioFile, FileArg, PathLike, describe
-from aioswap.config import AioConfig
+from aioswap.config import AioConfig, runtime_settings
 from aioswap.errors import DirectIOFallbackWarning, HandleClosedError, ShortReadError
 
 if TYPE_CHECKING:
@@ -47,9 +47,6 @@ if TYPE_CHECKING:
 __all__ = ["AioFile", "AioHandle", "DeviceTransport", "HandleStats", "IOFuture"]
 
 _log = logging.getLogger("aioswap")
-
-_DEFAULTS = AioConfig()
-
 
 class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
     """The future of one asynchronous request; ``result()`` is the number of bytes moved.
@@ -209,6 +206,10 @@ class AioHandle:
         ``O_DIRECT`` alignment internally, at least one aligned block). Default 1 MiB.
     queue_depth : int
         Most iocbs in flight per lane, across all requests of the handle. Default 32.
+
+    Knobs left out (None) come from the ``AIOSWAP_*`` environment variables, else from
+    :data:`aioswap.config.DEFAULT_CONFIG`; ``AIOSWAP_BUFFERED=1`` serves every file with
+    buffered I/O and ``AIOSWAP_POOL_SIZE`` sets ``bounce_bytes``.
     single_submit : bool
         Submit one iocb per ``io_submit`` call instead of batches.
     overlap_events : bool
@@ -237,18 +238,25 @@ class AioHandle:
     be used in a child process after ``fork()``; make a new one there.
     """
 
-    def __init__(self, block_size: int = _DEFAULTS.block_size,
-                 queue_depth: int = _DEFAULTS.queue_depth,
-                 single_submit: bool = _DEFAULTS.single_submit,
-                 overlap_events: bool = _DEFAULTS.overlap_events,
-                 intra_op_parallelism: int = _DEFAULTS.intra_op_parallelism,
+    def __init__(self, block_size: int | None = None, queue_depth: int | None = None,
+                 single_submit: bool | None = None, overlap_events: bool | None = None,
+                 intra_op_parallelism: int | None = None,
                  *, bounce_bytes: int | None = None,
                  device_transport: DeviceTransport | None = None) -> None:
         self._closed = True
         self._device_transport = device_transport
-        cfg = AioConfig(block_size=block_size, queue_depth=queue_depth,
-                        single_submit=single_submit, overlap_events=overlap_events,
-                        intra_op_parallelism=intra_op_parallelism)
+        env = runtime_settings()        # AIOSWAP_* variables for what is not given
+        d = env.aio
+        cfg = AioConfig(
+            block_size=d.block_size if block_size is None else block_size,
+            queue_depth=d.queue_depth if queue_depth is None else queue_depth,
+            single_submit=d.single_submit if single_submit is None else single_submit,
+            overlap_events=d.overlap_events if overlap_events is None else overlap_events,
+            intra_op_parallelism=(d.intra_op_parallelism if intra_op_parallelism is None
+                                  else intra_op_parallelism))
+        self._buffered_only = env.buffered
+        if bounce_bytes is None:
+            bounce_bytes = env.pool_size
         if bounce_bytes is not None:
             bounce_bytes = operator.index(bounce_bytes)
             if bounce_bytes <= 0:
@@ -363,7 +371,8 @@ class AioHandle:
             ``open``/``fstat``/``statx`` are paid once.
         """
         self._check(f"open of {describe(path)}")
-        return _files.open_path(self, path, mode, perm=perm, on_buffered=self._buffered_warn)
+        return _files.open_path(self, path, mode, perm=perm, on_buffered=self._buffered_warn,
+                                direct=not self._buffered_only)
 
     # -- requests --------------------------------------------------------------------------
     @overload
@@ -609,9 +618,11 @@ class AioHandle:
             raise TypeError(f"file must be a path, an fd or an AioFile, got "
                             f"{type(file).__name__}")
         if isinstance(file, int):
-            return _files.open_fd(self, file, write, on_buffered=self._buffered_warn)
+            return _files.open_fd(self, file, write, on_buffered=self._buffered_warn,
+                                  direct=not self._buffered_only)
         return _files.open_path(self, file, "a+" if write else "r", transient=True,
-                                on_buffered=self._buffered_warn)
+                                on_buffered=self._buffered_warn,
+                                direct=not self._buffered_only)
 
     def _release(self, req: _Request) -> None:
         """A request is over: give back its file and let close() go on."""
