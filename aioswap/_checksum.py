@@ -8,6 +8,7 @@ recorded is available, or verification is off).
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib
 import zlib
 from typing import TYPE_CHECKING, Any, Protocol
@@ -44,8 +45,9 @@ class _Crc32:
         return f"{self._value:08x}"
 
 
+@functools.lru_cache(maxsize=None)
 def _xxhash() -> Any:
-    """The xxhash module, or None when it is not installed."""
+    """The xxhash module, or None when it is not installed (looked up once)."""
     try:
         return importlib.import_module("xxhash")
     except ImportError:

@@ -13,6 +13,7 @@ counting) and only after the manifest that dropped it is durable.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -64,6 +65,22 @@ def _dir_mode(mode: int) -> int:
         if (d >> shift) & 0o6:
             d |= 1 << shift
     return d
+
+
+def _prefer_direct(fd: int) -> None:
+    """Add O_DIRECT to ``fd`` where the file system allows it, and drop O_NONBLOCK.
+
+    The handle then only dup's the fd per request (a descriptor without O_DIRECT is reopened
+    through /proc for each); O_NONBLOCK was only there to open a FIFO without blocking.
+    """
+    import fcntl
+    fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, (fl & ~os.O_NONBLOCK) | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:       # EINVAL: no O_DIRECT here (tmpfs...)
+            raise
+        fcntl.fcntl(fd, fcntl.F_SETFL, fl & ~os.O_NONBLOCK)
 
 
 # ----------------------------------------------------------------------------------------
@@ -221,13 +238,19 @@ class SwapDirectory:
         return fd
 
     def create_data(self, stem: str) -> tuple[str, int]:
-        """A new data file ``<stem><random>.bin``; returns its name and an O_RDWR fd."""
+        """A new data file ``<stem><random>.bin``; returns its name and an O_RDWR fd.
+
+        The fd has ``O_DIRECT`` where the file system allows it, so the handle's requests on
+        it only ``dup`` it instead of reopening the file each.
+        """
         while True:
             fname = f"{stem}{os.urandom(16 if stem == 'p-' else 8).hex()}.bin"
             try:
-                return fname, self.create(fname)
+                fd = self.create(fname)
             except FileExistsError:     # pragma: no cover - 64+ random bits
                 continue
+            _prefer_direct(fd)
+            return fname, fd
 
     def open_data(self, fname: str, who: str) -> tuple[int, int]:
         """Open a data file for reading; returns (fd, size).
@@ -251,6 +274,7 @@ class SwapDirectory:
             if not stat.S_ISREG(st.st_mode):
                 raise SwapError(f"{who}: its data file {path!r} is not a regular file "
                                 f"(mode {stat.filemode(st.st_mode)}); refusing to read it")
+            _prefer_direct(fd)
         except BaseException:
             os.close(fd)
             raise

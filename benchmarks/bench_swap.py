@@ -41,23 +41,20 @@ import time
 from typing import Any, Callable
 
 import torch
+from _common import GB, UNITS_NOTE, format_size, orders, print_table
+from _common import drop_cache as _drop_cache
 
 import aioswap
-from aioswap import pinned
-from aioswap.cli import drop_cache as _drop_cache
-from aioswap.cli import format_size
-from aioswap.swap import TensorSwapper
+from aioswap import TensorSwapper, pinned
 
 try:
     import safetensors.torch as st_torch
 except ImportError:             # optional
     st_torch = None
 
-GB = 10**9
-
 
 def drop_cache(paths: list[str], how: str) -> None:
-    """Make sure the next reads of ``paths`` come from the disk."""
+    """Make sure the next reads of ``paths`` come from the disk (fsync, then evict)."""
     for p in paths:
         _drop_cache(p)
     if how == "sysctl":
@@ -285,8 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         with aioswap.AioHandle(block_size=a.block_size, queue_depth=a.queue_depth) as h:
             ms = Methods(h, sd, work, a.drop_caches)
             try:
-                for rnd in range(a.repeat):
-                    order = names[rnd % len(names):] + names[:rnd % len(names)]
+                for rnd, order in enumerate(orders(names, a.repeat)):
                     for name in order:
                         w, r = getattr(ms, name)()
                         times[name].append((w, r))
@@ -319,19 +315,19 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(res, indent=2))
         return 0
-    print(f"{len(sd)} tensors ({format_size(min(sizes))} .. {format_size(max(sizes))}), "
-          f"{format_size(total)} ({total / GB:.2f} GB) in all; {a.layers} layers, hidden "
-          f"{a.hidden}, ffn {ffn}, {a.states} states; median of {a.repeat} round(s), methods "
-          f"alternating; page cache dropped before loads ({a.drop_caches}); every page touched "
-          f"after loading; GB/s = 10^9 B/s; ratio = aioswap GB/s / other GB/s (bigger is "
-          f"better)")
-    print(f"{'method':<40}{'save GB/s':>10}{'load GB/s':>10}{'save x':>8}{'load x':>8}")
+    title = (f"{len(sd)} tensors ({format_size(min(sizes))} .. {format_size(max(sizes))}), "
+             f"{format_size(total)} ({total / GB:.2f} GB) in all; {a.layers} layers, hidden "
+             f"{a.hidden}, ffn {ffn}, {a.states} states; median of {a.repeat} round(s), "
+             f"methods alternating; page cache dropped before loads ({a.drop_caches}); every "
+             f"page touched after loading; {UNITS_NOTE}")
+    rows = []
     for name in names:
         m = res["methods"][name]
-        rs = ratios.get(f"save vs {name}")
-        rl = ratios.get(f"load vs {name}")
-        print(f"{m['label']:<40}{m['save_gbps']:>10.2f}{m['load_gbps']:>10.2f}"
-              f"{'' if rs is None else f'{rs:.2f}':>8}{'' if rl is None else f'{rl:.2f}':>8}")
+        rows.append([m["label"], m["save_gbps"], m["load_gbps"],
+                     ratios.get(f"save vs {name}", float("nan")),
+                     ratios.get(f"load vs {name}", float("nan"))])
+    print_table(["method", "save GB/s", "load GB/s", "ratio save", "ratio load"],
+                rows, title=[title])
     return 0
 
 
