@@ -404,3 +404,31 @@ def test_async_state_dicts_on_one_worker(tmp_dir: Path) -> None:
             _check(_snapshot(sd), f.result(timeout=60))
         assert sw.wait() == 6
         assert len(_packs(tmp_dir / "s")) == 3
+
+
+def test_interrupt_during_packed_load_drains_and_keeps_state(tmp_dir: Path,
+                                                             monkeypatch) -> None:
+    gen = _gen()
+    sd = {f"t{i}": _rand((50000 + i,), torch.float32, gen) for i in range(12)}
+    snap = _snapshot(sd)
+    with TensorSwapper(tmp_dir / "s") as sw:
+        sw.swap_out_state_dict("", sd, release=True)
+        real = TensorSwapper._check_piece_sums
+        seen = []
+
+        def interrupted(self, p, verify):
+            seen.append(p.name)
+            if len(seen) == 3:
+                raise KeyboardInterrupt      # as a Ctrl-C in the middle of the batch
+            return real(self, p, verify)
+
+        monkeypatch.setattr(TensorSwapper, "_check_piece_sums", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            sw.swap_in_state_dict("")
+        monkeypatch.undo()
+        # every read finished before the error came back; nothing is half restored
+        assert all(v.untyped_storage().nbytes() == 0 for v in sd.values())
+        assert all(sw.info(k).released for k in sd)
+        got = sw.swap_in_state_dict("", state_dict=sd)    # and it works again
+        _check(snap, got)
+        assert not any(sw.info(k).released for k in sd)
