@@ -63,7 +63,9 @@ class _LockedTensors:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: a garbage collection inside a critical section may run a finalizer
+        # that frees by address (DeepSpeed's native pinned memory does).
+        self._lock = threading.RLock()
         self._held: dict[int, Any] = {}
 
     def new(self, num_elem: int, example_tensor: Any) -> torch.Tensor:
@@ -72,8 +74,9 @@ class _LockedTensors:
             raise TypeError(f"example_tensor must be a torch tensor (its dtype is used), got "
                             f"{type(example_tensor).__name__}")
         t: torch.Tensor = pinned.empty(int(num_elem), dtype)
+        address, storage = t.data_ptr(), t.untyped_storage()
         with self._lock:
-            self._held[t.data_ptr()] = t.untyped_storage()
+            self._held[address] = storage
         return t
 
     def free(self, tensor: Any) -> bool:
