@@ -24,8 +24,20 @@ import os
 
 from aioswap.errors import DirectIOUnsupportedError, HandleClosedError, ShortReadError
 
-cdef extern from "<sched.h>" nogil:
-    int sched_yield()
+from aioswap._sched cimport sched_yield
+from posix.mman cimport (MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, PROT_READ, PROT_WRITE, mlock,
+                         mmap, munlock, munmap)
+
+
+cdef int _check(long ret, int err, str what, object path=None, str hint="") except -1:
+    """The one checker of the engine's system calls, called right after each one.
+
+    ``ret < 0`` (the raw syscall's -1) raises ``OSError(err, ...)`` naming the call; Python
+    picks the subclass (FileNotFoundError, PermissionError...) from ``err``.
+    """
+    if ret >= 0:
+        return 0
+    raise OSError(err, f"{what} failed: {os.strerror(err)}{hint}", path)
 
 DEFAULT_ALIGNMENT = 4096
 MAX_DEPTH = 65535
@@ -270,6 +282,7 @@ cdef class AioContext:
 
     def __init__(self, int depth=128):
         cdef long ret
+        cdef int e = 0
         cdef abi.aio_context_t ctx = 0
         if self._open:
             raise RuntimeError("AioContext is already initialised")
@@ -284,11 +297,10 @@ cdef class AioContext:
             raise MemoryError(f"cannot allocate AIO arrays for depth {depth}")
         with nogil:
             ret = abi.syscall(abi.SYS_io_setup, <unsigned int>depth, &ctx)
-        if ret < 0:
             e = errno
+        if ret < 0:
             self._free_arrays()
-            raise OSError(e, f"io_setup({depth}) failed: {os.strerror(e)}"
-                             f"{_aio_limits_hint(e)}")
+            _check(ret, e, f"io_setup({depth})", None, _aio_limits_hint(e))
         self._ctx = ctx
         self._depth = depth
         self._open = True
@@ -641,11 +653,10 @@ def dio_alignment(file):
     with nogil:
         ret = abi.syscall(abi.SYS_statx, dirfd, cpath, flags,
                           <unsigned int>abi.STATX_DIOALIGN, &st)
-    if ret < 0:
         e = errno
-        if e == ENOSYS:
-            return (DEFAULT_ALIGNMENT, DEFAULT_ALIGNMENT)
-        raise OSError(e, os.strerror(e), None if isinstance(file, int) else os.fsdecode(file))
+    if ret < 0 and e == ENOSYS:
+        return (DEFAULT_ALIGNMENT, DEFAULT_ALIGNMENT)
+    _check(ret, e, "statx", None if isinstance(file, int) else os.fsdecode(file))
     if (st.stx_mask & abi.STATX_DIOALIGN) and st.stx_dio_mem_align and st.stx_dio_offset_align:
         return (int(st.stx_dio_mem_align), int(st.stx_dio_offset_align))
     return (DEFAULT_ALIGNMENT, DEFAULT_ALIGNMENT)
@@ -659,17 +670,6 @@ def aio_available():
         return (False, str(exc))
     return (True, "")
 
-
-cdef extern from "<sys/mman.h>" nogil:
-    void* mmap(void* addr, size_t length, int prot, int flags, int fd, long offset)
-    int munmap(void* addr, size_t length)
-    int mlock(const void* addr, size_t length)
-    int munlock(const void* addr, size_t length)
-    int PROT_READ
-    int PROT_WRITE
-    int MAP_PRIVATE
-    int MAP_ANONYMOUS
-    void* MAP_FAILED
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
@@ -728,8 +728,7 @@ cdef class LockedMemory:
                     munmap(addr, mapped)
         if addr == MAP_FAILED:
             raise MemoryError(f"mmap of {mapped} bytes failed: {os.strerror(e)}")
-        if rc != 0:
-            raise OSError(e, f"mlock of {mapped} bytes failed: {os.strerror(e)}")
+        _check(rc, e, f"mlock of {mapped} bytes")
         self._addr = addr
         self._nbytes = <size_t>nbytes
         self._mapped = mapped
@@ -1594,6 +1593,7 @@ cdef class AioQueue:
 
     def __init__(self, int depth, *, bint single_submit=False, bint overlap_events=True):
         cdef long ret
+        cdef int e = 0
         cdef abi.aio_context_t ctx = 0
         cdef pt.pthread_condattr_t attr
         cdef int i
@@ -1613,10 +1613,10 @@ cdef class AioQueue:
         memset(q.slots, 0, depth * sizeof(_Slot))
         with nogil:
             ret = abi.syscall(abi.SYS_io_setup, <unsigned int>depth, &ctx)
-        if ret < 0:
             e = errno
+        if ret < 0:
             self._free_arrays()
-            raise OSError(e, f"io_setup({depth}) failed: {os.strerror(e)}{_aio_limits_hint(e)}")
+            _check(ret, e, f"io_setup({depth})", None, _aio_limits_hint(e))
         q.ctx = ctx
         q.depth = depth
         for i in range(depth):
