@@ -3,4 +3,5 @@ import sys
 
 from aioswap.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing this module (stubtest, pydoc) runs nothing
+    sys.exit(main())

@@ -365,7 +365,7 @@ class _Progress:
     def __init__(self, total: int, desc: str, enabled: bool, stream: IO[str]) -> None:
         self.bar: Any = None
         if enabled and stream.isatty():
-            from tqdm import tqdm
+            from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
             self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True,
                             unit_divisor=1000, file=stream, leave=False, **_bar_width(stream))
 
@@ -671,7 +671,7 @@ def run_tune(*, dirs: Sequence[str], io_size: int, direction: tune_mod.Direction
         log_dir = tempfile.mkdtemp(prefix="aioswap-tune-")
     bar: Any = None
     if progress and err.isatty():
-        from tqdm import tqdm
+        from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
         bar = tqdm(total=len(grid) if search == "grid" else None, desc=f"aioswap tune ({search})",
                    unit="pt", file=err, leave=False, **_bar_width(err))
 

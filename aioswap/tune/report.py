@@ -102,9 +102,9 @@ def plot(results: Iterable[Result], path: PathArg, *, title: str | None = None,
         ``results`` is empty.
     """
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Rectangle
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # type: ignore[import-not-found, unused-ignore]
+        from matplotlib.figure import Figure  # type: ignore[import-not-found, unused-ignore]
+        from matplotlib.patches import Rectangle  # type: ignore[import-not-found, unused-ignore]
     except ImportError as e:
         raise ImportError("aioswap tune --plot needs matplotlib: pip install 'aioswap[plot]' "
                           "(or pip install matplotlib)") from e
