@@ -770,7 +770,7 @@ def _add_knobs(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from aioswap import __version__
     doc = __doc__ or ""
-    p = _Parser(prog="aioswap", description=doc.split("\n\n")[0] + ".",
+    p = _Parser(prog="aioswap", description=doc.split("\n\n")[0],
                 epilog="\n\n".join(doc.split("\n\n")[1:]),
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"aioswap {__version__}")

@@ -158,7 +158,7 @@ def test_help_is_plain_text() -> None:
     text = done.stdout
     for cmd in ("info", "bench", "tune", "--version", "Exit status", "10^9"):
         assert cmd in text, (cmd, text)
-    for rest in ("``", ":func:", ":class:", ".. "):
+    for rest in ("``", ":func:", ":class:", ".. ", ".."):
         assert rest not in text, (rest, text)
 
 
