@@ -24,6 +24,7 @@ import os
 
 from aioswap.errors import DirectIOUnsupportedError, HandleClosedError, ShortReadError
 
+from aioswap._mman cimport MADV_HUGEPAGE, madvise
 from aioswap._sched cimport sched_yield
 from posix.mman cimport (MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, PROT_READ, PROT_WRITE, mlock,
                          mmap, munlock, munmap)
@@ -674,6 +675,34 @@ def aio_available():
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
+cdef size_t _HUGE = 2 << 20
+
+
+cdef void* _map(size_t mapped) noexcept nogil:
+    """Anonymous memory; from 4 MiB on, 2 MiB aligned and advised MADV_HUGEPAGE.
+
+    Locking (and first touching) regular pages runs at only a few GB/s, about the speed of
+    a drive, while transparent huge pages fault in ~10x faster; a fresh destination should
+    not be slower to allocate than to fill.
+    """
+    cdef void* raw
+    cdef size_t a, head, tail
+    if mapped < 2 * _HUGE:
+        return mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    raw = mmap(NULL, mapped + _HUGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    if raw == MAP_FAILED:
+        return raw
+    a = (<size_t>raw + _HUGE - 1) & ~(_HUGE - 1)
+    head = a - <size_t>raw
+    tail = _HUGE - head
+    if head:
+        munmap(raw, head)
+    if tail:
+        munmap(<void*>(a + mapped), tail)
+    madvise(<void*>a, mapped, MADV_HUGEPAGE)      # advice only: ignore a refusal
+    return <void*>a
+
+
 cdef class LockedMemory:
     """Page-aligned anonymous memory (``mmap``), ``mlock``-ed when asked; a writable buffer.
 
@@ -718,7 +747,7 @@ cdef class LockedMemory:
             raise ValueError(f"LockedMemory needs a positive size, got {nbytes}")
         mapped = ((<size_t>nbytes + page - 1) // page) * page
         with nogil:
-            addr = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+            addr = _map(mapped)
             if addr == MAP_FAILED:
                 e = errno
             elif lock:

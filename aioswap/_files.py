@@ -287,7 +287,20 @@ def open_fd(handle: AioHandle | None, fd: int, write: bool, *,
     st = os.fstat(fd)
     _check_kind(st, name)
     has_direct = bool(fl & os.O_DIRECT)
-    if has_direct == direct:
+    if direct and acc == os.O_WRONLY:
+        # edge blocks of unaligned writes are read-modify-written: a write-only fd needs a
+        # descriptor of our own that can read (when permissions allow; else buffered I/O)
+        try:
+            own = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+            acc = os.O_RDWR
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EINVAL):
+                raise
+            own = os.dup(fd)
+            direct = False
+            if exc.errno == errno.EINVAL and on_buffered is not None:
+                on_buffered(name)
+    elif has_direct == direct:
         own = os.dup(fd)
     else:
         # a descriptor of our own with the O_DIRECT we want (the caller's fd, its offset and

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 import aioswap
 from aioswap import pinned
-from aioswap.compat import deepnvme
 from aioswap.errors import DirectIOFallbackWarning, HandleClosedError, ShortReadError
 
 MiB = 1 << 20

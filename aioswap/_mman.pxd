@@ -1,0 +1,6 @@
+# cython: language_level=3
+# Declarations of <sys/mman.h> that Cython's posix.mman lacks; no logic here.
+
+cdef extern from "<sys/mman.h>" nogil:
+    int madvise(void* addr, size_t length, int advice)
+    int MADV_HUGEPAGE
