@@ -498,7 +498,9 @@ class AioHandle:
             batch = list(self._pending)
         if not batch:
             return 0
-        concurrent.futures.wait(batch)
+        busy = [f for f in batch if not f.done()]
+        if busy:
+            concurrent.futures.wait(busy)
         count = self._forget(batch)
         _raise_first(batch)
         return count
@@ -877,6 +879,9 @@ class AioHandle:
             with token.lock or _NOLOCK:
                 token.errors.append(exc)
                 token.parts -= len(slices) - queued
+                last = token.parts == 0
+            if last:
+                self._finish_async(token)
         return fut
 
     def _forget_failed(self, token: _Async) -> None:
@@ -893,25 +898,31 @@ class AioHandle:
         if token.post is not None:
             pinned.registry.unhold(token.post)
             token.post = None
-        try:
-            req.file.unuse()
-        except Exception:
-            pass
         first = exc if exc is not None else (token.errors[0] if token.errors else None)
-        if first is None and req.fsync and len(self._slices(req)) > 1:
+        if first is None and req.fsync and token.lock is not None:      # several slices
             try:
                 os.fsync(req.file.fileno())
             except OSError as e:
                 first = e
-        self._release(req)
+        req.file.unuse()
+        if req.file.transient:
+            req.file.close()
+        with self._lock:
+            st = self._stats
+            if first is not None:
+                st.failed += 1
+            elif req.write:
+                st.write_bytes += token.done
+                st.writes += 1
+            else:
+                st.read_bytes += token.done
+                st.reads += 1
+            self._active -= 1
+            if self._active == 0:
+                self._idle.notify_all()
         if first is not None:
-            self._count(failed=1)
             fut.set_exception(first)
         else:
-            if req.write:
-                self._count(write_bytes=token.done, writes=1)
-            else:
-                self._count(read_bytes=token.done, reads=1)
             fut.set_result(token.done)
 
 
