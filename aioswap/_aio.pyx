@@ -21,6 +21,7 @@ from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memset
 
 import os
+import warnings
 
 from aioswap.errors import DirectIOUnsupportedError, HandleClosedError, ShortReadError
 
@@ -271,8 +272,10 @@ cdef class AioContext:
     cdef abi.iocb** _ready
     cdef abi.io_event* _events
     cdef int* _free
+    cdef long _pid
 
     def __cinit__(self):
+        self._pid = getpid()
         self._ctx = 0
         self._open = False
         self._busy = False
@@ -328,6 +331,17 @@ cdef class AioContext:
         self._free_arrays()
 
     def __dealloc__(self):
+        # a safety net: warn like an unclosed file, and leave a forked child's inherited
+        # context alone (it belongs to the parent)
+        if self._open:
+            if self._pid != getpid():
+                self._open = False
+                self._free_arrays()
+                return
+            try:
+                warnings.warn(f"unclosed AioContext of depth {self._depth}", ResourceWarning)
+            except Exception:
+                pass
         self._destroy()
 
     def close(self):
@@ -814,12 +828,14 @@ cdef class LockedMemory:
     def __releasebuffer__(self, Py_buffer* view):
         self._exports -= 1
 
-    def release(self):
+    def close(self):
         """Unlock and unmap now. Idempotent; refuses while a buffer export is open."""
         if self._exports > 0:
             raise BufferError(f"LockedMemory of {self._nbytes} bytes has {self._exports} "
                               f"open buffer exports")
         self._unmap()
+
+    release = close         # the name of version 0
 
     cdef void _unmap(self) noexcept:
         cdef void* addr = self._addr
