@@ -13,6 +13,7 @@ counting) and only after the manifest that dropped it is durable.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import logging
@@ -158,6 +159,9 @@ class SwapDirectory:
         self.mode = mode
         self.dir_fd = -1
         self._lock_fd = -1
+        self._reap_lock = threading.Lock()
+        self._reaper: concurrent.futures.ThreadPoolExecutor | None = None
+        self._reaping: list[concurrent.futures.Future[Any]] = []
         created = False
         if not os.path.isdir(path):
             try:
@@ -211,8 +215,40 @@ class SwapDirectory:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
 
+    def unlink_later(self, fnames: list[str]) -> None:
+        """Unlink files no manifest needs any more, on a background thread.
+
+        Freeing a large file's blocks takes the file system a while (tens of ms per GB); the
+        swap that made it obsolete is durable already, so it need not wait. A crash before
+        the unlink leaves an orphan that the next open removes. :meth:`drain` waits.
+        """
+        if not fnames:
+            return
+        with self._reap_lock:
+            if self._reaper is None:
+                self._reaper = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="aioswap-swap-unlink")
+            self._reaping.append(self._reaper.submit(self._unlink_all, list(fnames)))
+            self._reaping = [f for f in self._reaping if not f.done()]
+
+    def _unlink_all(self, fnames: list[str]) -> None:
+        for f in fnames:
+            self.unlink(f)
+
+    def drain(self) -> None:
+        """Wait for the background unlinks."""
+        with self._reap_lock:
+            pending, self._reaping = self._reaping, []
+        concurrent.futures.wait(pending)
+
     def close(self) -> None:
-        """Unlock (closing the lock fd releases the flock) and close the directory."""
+        """Finish background unlinks, unlock (closing the lock fd releases the flock) and close
+        the directory."""
+        with self._reap_lock:
+            reaper, self._reaper = self._reaper, None
+        if reaper is not None:
+            reaper.shutdown(wait=True)
+        self._reaping = []
         for attr in ("_lock_fd", "dir_fd"):
             fd = getattr(self, attr)
             if fd >= 0:
@@ -507,8 +543,7 @@ class Manifest:
                 if published and error is None:
                     # after an error the disk may hold either manifest: keep both versions'
                     # files; the next open removes whichever the manifest there does not name
-                    for f in sorted(old_files - new_files):
-                        self._dir.unlink(f)
+                    self._dir.unlink_later(sorted(old_files - new_files))
         if change.error is not None:
             raise change.error
 

@@ -51,7 +51,9 @@ an old version whose unlink was interrupted) are removed at the next open, and s
 ``.tmp`` manifest. Nothing else in the directory is ever touched.
 
 Space: a data file is deleted as soon as no published entry names it (per-file reference
-counting, after the manifest that dropped the last entry is durable). Overwriting or removing
+counting, after the manifest that dropped the last entry is durable; files an overwrite made
+obsolete are unlinked on a background thread, done when :meth:`TensorSwapper.wait`
+returns, while :meth:`TensorSwapper.remove` waits for them). Overwriting or removing
 one tensor of a pack leaves a dead range in it and never rewrites the live neighbours;
 :meth:`TensorSwapper.compact` rewrites the packs whose live bytes fell below a fraction of
 their size (default one half) into new packs, and :meth:`TensorSwapper.pack_usage` shows it.
@@ -122,6 +124,8 @@ DEFAULT_PIN_BUDGET = 4 << 30
 _SPLIT_READ = 128 << 20       # verified reads larger than this are hashed as chunks land
 _PREFAULT_MIN = 1 << 20       # fresh host memory at least this large is touched before a read
 _DEFAULT_STAGING = 64 << 20
+_SMALL_WRITE = 64 << 10       # tensors up to this size are written from a locked slab
+_SLAB_MAX = 64 << 20          # bytes of that slab per state dict
 
 _T = TypeVar("_T")
 _Device = Union[str, "torch.device", int, None]
@@ -749,6 +753,7 @@ class TensorSwapper:
         Returns the change that publishes them (not yet committed). On any error every pack
         file written is removed and the error raised, after every request has finished.
         """
+        import torch
         # lay out: tensors in order, each at an aligned offset, a new pack past the cap
         layout: list[list[tuple[_WriteJob, int]]] = []
         pos = 0
@@ -759,10 +764,31 @@ class TensorSwapper:
                 pos = 0
             layout[-1].append((j, pos))
             pos = _round_up(pos + n)
+        # Small tensors, and the last partial block of larger ones, are copied into one
+        # page-locked slab in whole blocks (zero-padded), so every request is block-aligned
+        # and direct: no read-modify-write of an edge block, no page cache.
+        need = 0
+        for j in jobs:
+            n = j.src.numel() * j.src.element_size()
+            add = _round_up(n) if n <= _SMALL_WRITE else (PACK_ALIGN if n % PACK_ALIGN else 0)
+            if need + add <= _SLAB_MAX:
+                need += add
+        slab = None
+        if need:
+            from aioswap import pinned
+            slab = pinned.empty(need, torch.uint8, strict=False)
+        slab_pos = 0
         files: list[tuple[str, int, int]] = []       # (name, fd, size)
         futs: list[concurrent.futures.Future[int]] = []
         entries: list[Entry] = []
         ok = False
+
+        def write(buf: torch.Tensor, fd: int, off: int) -> concurrent.futures.Future[int]:
+            fut = self._handle.pwrite(buf, fd, off, async_op=True)
+            assert isinstance(fut, concurrent.futures.Future)
+            futs.append(fut)
+            return fut
+
         try:
             for pack in layout:
                 last, off = pack[-1]
@@ -774,7 +800,17 @@ class TensorSwapper:
                     src = j.src
                     n = src.numel() * src.element_size()
                     digest, algo = j.checksum, j.checksum_algo
-                    if n:
+                    hashed: torch.Tensor = src
+                    padded = _round_up(n)
+                    if n and n <= _SMALL_WRITE and slab is not None \
+                            and slab_pos + padded <= need:
+                        slot = slab[slab_pos:slab_pos + padded]
+                        slab_pos += padded
+                        slot[:n].view(src.dtype).view(src.shape).copy_(src)   # any layout
+                        slot[n:].zero_()
+                        write(slot, fd, off)
+                        hashed = slot[:n]
+                    elif n:
                         staged = 0
                         if not src.is_contiguous():
                             staged = n
@@ -784,22 +820,31 @@ class TensorSwapper:
                             except BaseException:
                                 self._staging.release(staged)
                                 raise
+                        tail = n % PACK_ALIGN
                         try:
-                            fut = self._handle.pwrite(src, fd, off, async_op=True)
+                            if tail and slab is not None and slab_pos + PACK_ALIGN <= need:
+                                flat = src.reshape(-1).view(torch.uint8)
+                                slot = slab[slab_pos:slab_pos + PACK_ALIGN]
+                                slab_pos += PACK_ALIGN
+                                slot[:tail].copy_(flat[n - tail:])
+                                slot[tail:].zero_()
+                                write(slot, fd, off + n - tail)
+                                fut = write(flat[:n - tail], fd, off)
+                            else:
+                                fut = write(src, fd, off)
                         except BaseException:
                             if staged:
                                 self._staging.release(staged)
                             raise
-                        assert isinstance(fut, concurrent.futures.Future)
                         if staged:
                             fut.add_done_callback(self._release_staging(staged))
-                        futs.append(fut)
+                        hashed = src
                     if digest is None and self._algo is not None:
                         # hashed while this and the earlier writes are in flight
-                        digest, algo = _checksum.digest(src, self._algo), self._algo
+                        digest, algo = _checksum.digest(hashed, self._algo), self._algo
                     entries.append(Entry(j.name, fname, off, n, j.dtype, j.shape, j.stride,
                                          j.storage_offset, digest, algo, j.seq))
-                    del src
+                    del src, hashed
             concurrent.futures.wait(futs)
             for f in futs:
                 f.result()
@@ -1369,6 +1414,7 @@ class TensorSwapper:
                     self._released.forget(n)
         finally:
             self._unclaim(names, ev)
+        self._dir.drain()           # removing is for the space: give it back before returning
 
     def clear(self, *, force: bool = False) -> None:
         """Delete every swap in the directory (see :meth:`remove`)."""
@@ -1445,6 +1491,7 @@ class TensorSwapper:
                                       e.storage_offset, e.seq, e.checksum, e.checksum_algo))
             change = self._write_packs(jobs, "compact")
             self._m.commit(change)
+            self._dir.drain()
             return sum(victims[f] for f in {e.file for e in entries}) - sum(
                 change.packs.values())
         finally:
@@ -1499,7 +1546,8 @@ class TensorSwapper:
         """Finish every asynchronous swap started so far; return how many were started.
 
         Returns 0 when none were started since the last ``wait()``. All run to the end, then
-        the first error (in submission order) is raised.
+        the first error (in submission order) is raised. Old versions that overwrites made
+        obsolete are deleted in the background; their space is back when this returns.
         """
         count = 0
         first: BaseException | None = None
@@ -1518,6 +1566,7 @@ class TensorSwapper:
                 exc = None if f.cancelled() else f.exception()
                 if exc is not None and first is None:
                     first = exc
+        self._dir.drain()
         if first is not None:
             raise first
         return count
@@ -1563,6 +1612,7 @@ class TensorSwapper:
         """
         self.clear(force=force)
         self.wait()
+        self._dir.drain()
         with self._m.exclusive():      # still locked: nobody else can be using the directory
             self._dir.remove_own_files()
         created = self._dir.created

@@ -156,6 +156,8 @@ class Methods:
     def _aioswap(self, verify: bool) -> tuple[float, float]:
         sw = self.swapper
         w, _ = timed(lambda: sw.swap_out_state_dict("", self.sd, overwrite=True))
+        sw.wait()   # the previous version's pack is deleted in the background: not timed,
+        #             as the other methods' old files are deleted outside their timing too
         drop_cache(files_under(sw.directory), self.drop)
 
         def load() -> dict[str, torch.Tensor]:

@@ -432,3 +432,20 @@ def test_interrupt_during_packed_load_drains_and_keeps_state(tmp_dir: Path,
         got = sw.swap_in_state_dict("", state_dict=sd)    # and it works again
         _check(snap, got)
         assert not any(sw.info(k).released for k in sd)
+
+
+def test_replaced_pack_is_deleted_in_the_background(tmp_dir: Path) -> None:
+    d = tmp_dir / "s"
+    gen = _gen()
+    v1 = {f"t{i}": _rand((70000,), torch.uint8, gen) for i in range(4)}
+    v2 = {k: _rand((70000,), torch.uint8, gen) for k in v1}
+    with TensorSwapper(d) as sw:
+        sw.swap_out_state_dict("", v1)
+        (old,) = _packs(d)
+        sw.swap_out_state_dict("", v2, overwrite=True)   # durable and published on return
+        assert sw.wait() == 0                            # ... and the old pack is gone now
+        (new,) = _packs(d)
+        assert new != old
+        _check(_snapshot(v2), sw.swap_in_state_dict(""))
+    with TensorSwapper(d) as sw:
+        assert _packs(d) == [new]
