@@ -35,6 +35,7 @@ from typing import IO, TYPE_CHECKING, Any, NoReturn
 from aioswap._units import GB, UNITS_NOTE, format_size, parse_size, short_size
 from aioswap.config import DEFAULT_CONFIG, AioConfig, default_config
 from aioswap.errors import ConfigError, DirectIOUnsupportedError, TuneError
+from aioswap.tune.measure import cap_ipc_lock, memory_available, read_text
 from aioswap.tune.measure import drop_cache  # noqa: F401  (transitional: use benchmarks/_common)
 
 if TYPE_CHECKING:
@@ -86,33 +87,18 @@ def _int_type(minimum: int) -> Callable[[str], int]:
 # ------------------------------------------------------------------------------ probes
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
 def _read_int(path: str) -> int | None:
-    text = _read(path)
+    text = read_text(path)
     try:
         return int(text.split()[0]) if text else None
     except ValueError:
         return None
 
 
-def _cap_ipc_lock() -> bool:
-    for line in (_read("/proc/self/status") or "").splitlines():
-        if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) >> 14 & 1)
-    return False
-
-
 def _fs_type(path: str) -> str | None:
     best, fstype = "", None
     real = os.path.realpath(path)
-    for line in (_read("/proc/self/mounts") or "").splitlines():
+    for line in (read_text("/proc/self/mounts") or "").splitlines():
         parts = line.split()
         if len(parts) < 3:
             continue
@@ -190,12 +176,12 @@ def _block_device(directory: str) -> dict[str, Any]:
     if os.path.exists(os.path.join(node, "partition")):
         partition, node = os.path.basename(node), os.path.dirname(node)
     q = os.path.join(node, "queue")
-    sched = _read(os.path.join(q, "scheduler"))
+    sched = read_text(os.path.join(q, "scheduler"))
     if sched and "[" in sched:
         sched = sched[sched.index("[") + 1:sched.index("]")]
-    model = _read(os.path.join(node, "device", "model"))
+    model = read_text(os.path.join(node, "device", "model"))
     if not model:
-        vendor = _read(os.path.join(node, "device", "vendor"))
+        vendor = read_text(os.path.join(node, "device", "vendor"))
         model = f"vendor {vendor}" if vendor else None
     numa = None
     for rel in ("device/numa_node", "device/device/numa_node"):
@@ -256,7 +242,7 @@ def gather_info(directory: str) -> dict[str, Any]:
         "memlock": {"rlimit_soft": None if soft == resource.RLIM_INFINITY else soft,
                     "rlimit_hard": None if hard == resource.RLIM_INFINITY else hard,
                     "unlimited": soft == resource.RLIM_INFINITY,
-                    "cap_ipc_lock": _cap_ipc_lock()},
+                    "cap_ipc_lock": cap_ipc_lock()},
         "cufile": _cufile_info(),
         "gpu": _gpu_info(),
     }
@@ -334,7 +320,6 @@ def _need_torch(command: str) -> Any:
 
 
 def _check_memory(need: int, what: str) -> None:
-    from aioswap.tune.measure import memory_available
     avail, why = memory_available()
     if avail is not None and need > avail:
         raise UsageError(f"{what} needs about {format_size(need)} of memory; "
@@ -346,7 +331,7 @@ def _memlock_reason() -> str:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     lim = "unlimited" if soft == resource.RLIM_INFINITY else format_size(soft)
     return (f"page-locked memory refused (RLIMIT_MEMLOCK {lim}, "
-            f"CAP_IPC_LOCK {'yes' if _cap_ipc_lock() else 'no'}; raise it with ulimit -l "
+            f"CAP_IPC_LOCK {'yes' if cap_ipc_lock() else 'no'}; raise it with ulimit -l "
             f"unlimited or docker --ulimit memlock=-1)")
 
 
@@ -542,7 +527,6 @@ def _bench_methods(torch: Any, handle: Any, gds_handle: Any, ref: Any, plain: An
 
 def _bench_rounds(methods: list[_Method], path: str, size: int, repeat: int, warmup: int,
                   ops: Sequence[str], progress: bool, err: IO[str]) -> dict[str, Any]:
-    from aioswap.tune.measure import drop_cache
     per_round = len(methods) * len(ops) * size
     bar = _Progress(per_round * (repeat + warmup), "aioswap bench", progress, err)
     try:

@@ -24,8 +24,8 @@ from aioswap.tune.results import PathArg, Result
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SharedBuffers", "check_environment", "drop_cache", "memory_available", "run_point",
-           "scratch_files", "split"]
+__all__ = ["SharedBuffers", "cap_ipc_lock", "check_environment", "drop_cache", "memory_available",
+           "read_text", "run_point", "scratch_files", "split"]
 
 
 def drop_cache(path: str) -> None:
@@ -39,10 +39,11 @@ def drop_cache(path: str) -> None:
         os.close(fd)
 
 
-def _read_text(path: str) -> str | None:
+def read_text(path: str) -> str | None:
+    """A small /proc or /sys file, stripped; ``None`` when it cannot be read."""
     try:
         with open(path, encoding="ascii", errors="replace") as f:
-            return f.read()
+            return f.read().strip()
     except OSError:
         return None
 
@@ -55,22 +56,22 @@ def memory_available() -> tuple[int | None, str]:
     ``(None, "")`` when none of them can be read.
     """
     found: list[tuple[int, str]] = []
-    meminfo = _read_text("/proc/meminfo") or ""
+    meminfo = read_text("/proc/meminfo") or ""
     for line in meminfo.splitlines():
         if line.startswith("MemAvailable:"):
             found.append((int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"))
-    cg = (_read_text("/proc/self/cgroup") or "").strip().splitlines()
+    cg = (read_text("/proc/self/cgroup") or "").strip().splitlines()
     for line in cg:
         if line.startswith("0::"):
             base = "/sys/fs/cgroup" + line[3:].rstrip("/")
-            limit, used = _read_text(base + "/memory.max"), _read_text(base + "/memory.current")
+            limit, used = read_text(base + "/memory.max"), read_text(base + "/memory.current")
             if limit and used and limit.strip().isdigit() and used.strip().isdigit():
                 found.append((int(limit) - int(used), f"the cgroup memory limit "
                               f"({format_size(int(limit))})"))
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
         vm = 0
-        for line in (_read_text("/proc/self/status") or "").splitlines():
+        for line in (read_text("/proc/self/status") or "").splitlines():
             if line.startswith("VmSize:"):
                 vm = int(line.split()[1]) * 1024
         found.append((soft - vm, f"RLIMIT_AS (ulimit -v, {format_size(soft)})"))
@@ -146,8 +147,9 @@ class SharedBuffers:
         self._bufs = None  # the registry frees locked memory with its last view
 
 
-def _cap_ipc_lock() -> bool:
-    for line in (_read_text("/proc/self/status") or "").splitlines():
+def cap_ipc_lock() -> bool:
+    """Whether this process may lock any amount of memory (CAP_IPC_LOCK, bit 14)."""
+    for line in (read_text("/proc/self/status") or "").splitlines():
         if line.startswith("CapEff:"):
             return bool(int(line.split()[1], 16) >> 14 & 1)
     return False
@@ -183,7 +185,7 @@ def check_environment(io_size: int, *, use_gds: bool = False) -> None:
             raise TuneError(f"--gds needs cuFile: {exc}") from None
         return
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if soft != resource.RLIM_INFINITY and soft < io_size + (1 << 20) and not _cap_ipc_lock():
+    if soft != resource.RLIM_INFINITY and soft < io_size + (1 << 20) and not cap_ipc_lock():
         raise TuneError(f"tune needs {format_size(io_size)} of page-locked memory (its buffers "
                         f"must be pinned for O_DIRECT), but RLIMIT_MEMLOCK is "
                         f"{format_size(soft)} without CAP_IPC_LOCK: raise it (ulimit -l "
