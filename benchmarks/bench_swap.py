@@ -9,11 +9,11 @@ bytes. ``--layers 12 --hidden 1024`` is the 576-tensor, 1.69 GiB (1.81 GB) case,
 
 Methods, in one run, alternating (the starting method rotates each round):
 
-* aioswap: ``TensorSwapper.swap_out_state_dict(overwrite=True)`` (packed, fsynced, manifest
-  committed, the previous version's pack deleted) / ``swap_in_state_dict`` (checksums
-  verified; fresh tensors page-locked within the default budget), on one swap directory kept
-  open for the run, as a swapping job keeps it; also loaded with ``verify=False`` to show
-  what verification costs;
+* aioswap: ``TensorSwapper.swap_out_state_dict`` (packed, fsynced, manifest committed) /
+  ``swap_in_state_dict`` (checksums verified; fresh tensors page-locked within the default
+  budget), on one swap directory kept open for the run, as a swapping job keeps it (cleared
+  after each round, outside the timing, as the other methods delete their files); also
+  loaded with ``verify=False`` to show what verification costs;
 * safetensors (when importable): ``save_file`` + fsync / ``load_file``;
 * torch: ``torch.save`` + fsync / ``torch.load(weights_only=True)``;
 * direct: the same bytes as one page-locked buffer, ``AioHandle.pwrite(fsync=True)`` / ``pread``
@@ -155,9 +155,7 @@ class Methods:
 
     def _aioswap(self, verify: bool) -> tuple[float, float]:
         sw = self.swapper
-        w, _ = timed(lambda: sw.swap_out_state_dict("", self.sd, overwrite=True))
-        sw.wait()   # the previous version's pack is deleted in the background: not timed,
-        #             as the other methods' old files are deleted outside their timing too
+        w, _ = timed(lambda: sw.swap_out_state_dict("", self.sd))
         drop_cache(files_under(sw.directory), self.drop)
 
         def load() -> dict[str, torch.Tensor]:
@@ -168,6 +166,7 @@ class Methods:
         r, got = timed(load)
         same(self.sd, got, "aioswap")
         del got
+        sw.clear()      # outside the timing, as the other methods delete their files
         return w, r
 
     def close(self) -> None:
