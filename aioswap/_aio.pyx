@@ -1850,6 +1850,12 @@ cdef class AioQueue:
                 pt.pthread_mutex_unlock(&q.mu)
         return <size_t>r
 
+    def run(self, int fd, bint write, size_t addr, uint64_t nbytes, int64_t offset, int mode,
+            uint64_t align, uint64_t block, FileState file=None, bint fsync=False):
+        """:meth:`submit` a sync request and :meth:`wait` for it, in one call."""
+        return self.wait(self.submit(fd, write, addr, nbytes, offset, mode, align, block, file,
+                                     fsync, True, None))
+
     def cancel(self, size_t rid):
         """Cut nothing more of a request; what is in flight still completes."""
         cdef _Req* r = <_Req*>rid

@@ -48,6 +48,18 @@ __all__ = ["AioFile", "AioHandle", "DeviceTransport", "HandleStats", "IOFuture"]
 
 _log = logging.getLogger("aioswap")
 
+# Bumped in a child after fork(): a handle made before it refuses to work there (its lanes'
+# threads and kernel contexts stayed in the parent). Cheaper than getpid() per request.
+_fork_generation = [0]
+
+
+def _forked() -> None:
+    _fork_generation[0] += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
     """The future of one asynchronous request; ``result()`` is the number of bytes moved.
 
@@ -263,6 +275,7 @@ class AioHandle:
                 raise ValueError(f"bounce_bytes must be positive, got {bounce_bytes}")
         self._cfg = cfg
         self._pid = os.getpid()
+        self._generation = _fork_generation[0]
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._stats = HandleStats()
@@ -548,7 +561,7 @@ class AioHandle:
     def _check(self, what: str) -> None:
         if self._closed:
             raise HandleClosedError(f"{what} on a closed AioHandle")
-        if self._pid != os.getpid():
+        if self._generation != _fork_generation[0] or self._pid != os.getpid():
             raise RuntimeError(f"{what}: this AioHandle was created in process {self._pid} "
                                f"and cannot be used after fork(); create a new AioHandle in "
                                f"the child")
@@ -563,7 +576,7 @@ class AioHandle:
     def _request(self, write: bool, buffer: Any, file: FileArg, offset: Any,
                  nbytes: Any, async_op: bool, fsync: bool) -> int | IOFuture:
         op = "write" if write else "read"
-        if self._closed or self._pid != os.getpid():
+        if self._closed or self._generation != _fork_generation[0]:
             self._check(f"{op} of {describe(file)}")
         offset = _integer(offset, "offset", file)
         if offset < 0:
@@ -632,7 +645,7 @@ class AioHandle:
             req.file.close()
         with self._lock:
             self._active -= 1
-            if self._active == 0:
+            if self._closed and self._active == 0:
                 self._idle.notify_all()
 
     # -- planning --------------------------------------------------------------------------
@@ -641,8 +654,8 @@ class AioHandle:
         block = self._cfg.block_size
         if not f.direct:
             return block
-        unit = max(f.off_align, f.mem_align)
-        return max(unit, block // unit * unit)
+        unit = f.off_align if f.off_align >= f.mem_align else f.mem_align
+        return unit if block < unit else block // unit * unit
 
     def _slices(self, req: _Request) -> list[tuple[int, int]]:
         """``(start, nbytes)`` of the lanes' contiguous slices of a request."""
@@ -659,18 +672,19 @@ class AioHandle:
         cuts.append(n)
         return list(zip(cuts, (b - a for a, b in zip(cuts, cuts[1:]))))
 
-    def _mode(self, req: _Request) -> tuple[int, dict[str, int]]:
-        """How the pieces of a contiguous host request run, and the bytes per path."""
+    def _mode(self, req: _Request, held: bool = False) -> tuple[int, int, int]:
+        """How the pieces of a contiguous host request run: ``(mode, edge bytes, middle
+        bytes)``. ``held``: the memory is known to be pinned (a registry hold is out)."""
         f, mem, n = req.file, req.mem, req.nbytes
         if not f.direct:
-            return _aio.MODE_PLAIN, {"buffered_bytes": n}
+            return _aio.MODE_PLAIN, 0, n
         align = f.off_align
         head = min(n, (-req.offset) % align)
         tail = (req.offset + n) % align
         edges = head + (tail if n - head >= tail else 0)
         middle = n - edges
         direct = (middle > 0 and (mem.address + head) % f.mem_align == 0
-                  and pinned.is_pinned((mem.address + head, middle)))
+                  and (held or pinned.is_pinned((mem.address + head, middle))))
         if not req.write and (edges or not direct):
             # the engine copies into this memory itself: a read-only mapping must be an
             # error here, not a fault in the copy
@@ -679,9 +693,18 @@ class AioHandle:
             except BufferError as exc:
                 raise ValueError(f"read of {n} bytes from {f.name} into memory that is not "
                                  f"writable: {exc}") from None
-        if direct:
-            return _aio.MODE_DIRECT, {"head_tail_bytes": edges, "direct_bytes": middle}
-        return _aio.MODE_BOUNCE, {"head_tail_bytes": edges, "bounce_bytes": middle}
+        return (_aio.MODE_DIRECT if direct else _aio.MODE_BOUNCE), edges, middle
+
+    def _count_paths(self, mode: int, edges: int, middle: int) -> None:
+        """Bytes per path into the stats (the caller holds ``self._lock``)."""
+        st = self._stats
+        if mode == _aio.MODE_DIRECT:
+            st.direct_bytes += middle
+        elif mode == _aio.MODE_BOUNCE:
+            st.bounce_bytes += middle
+        else:
+            st.buffered_bytes += middle
+        st.head_tail_bytes += edges
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -697,7 +720,7 @@ class AioHandle:
         error propagates.
         """
         f, mem = req.file, req.mem
-        mode, paths = self._mode(req)
+        mode, edges, middle = self._mode(req)
         block = self._block(f)
         fsync = req.fsync and len(slices) == 1
         if len(slices) == 1:
@@ -724,11 +747,16 @@ class AioHandle:
             raise
         finally:
             if submitted:
-                self._count(**paths)
+                with self._lock:
+                    self._count_paths(mode, edges, middle)
         return submitted
 
     # -- sync ------------------------------------------------------------------------------
     def _run_sync(self, req: _Request) -> int:
+        mem = req.mem
+        if (req.nbytes and mem.contiguous and mem.device == "cpu"
+                and len(self._slices(req)) == 1):
+            return self._run_one(req)       # counts itself
         try:
             done = self._execute_sync(req)
         except BaseException:
@@ -761,9 +789,10 @@ class AioHandle:
                     os.fsync(req.file.fileno())
                 return done
             return self._cuda(req)
+        slices = self._slices(req)
         hold = pinned.registry.hold(mem.address, n)
         try:
-            subs = self._submit_parts(req, self._slices(req), True, None)
+            subs = self._submit_parts(req, slices, True, None)
         except BaseException as exc:
             queued = getattr(exc, "__aioswap_submitted__", [])
             _drain(queued)
@@ -796,6 +825,46 @@ class AioHandle:
             raise first
         if req.fsync and len(subs) > 1:
             os.fsync(req.file.fileno())
+        return done
+
+    def _run_one(self, req: _Request) -> int:
+        """A sync request of one slice: the hot path of small requests, kept short."""
+        f, mem, n = req.file, req.mem, req.nbytes
+        hold = pinned.registry.hold(mem.address, n)
+        try:
+            mode, edges, middle = self._mode(req, hold is not None)
+        except BaseException:
+            if hold is not None:
+                pinned.registry.unhold(hold)
+            raise
+        self._rr = rr = (self._rr + 1) % len(self._lanes)     # a hint: races are fine
+        lane = self._lanes[rr]
+        if mode != _aio.MODE_PLAIN and not lane.ring.attached:
+            lane.ring.ensure()
+        fd = f.use()
+        try:
+            res = lane.queue.run(fd, req.write, mem.address, n, req.offset, mode, f.off_align,
+                                 self._block(f), f.state, req.fsync)
+        finally:
+            f.unuse()
+            if hold is not None:
+                pinned.registry.unhold(hold)
+        done, err, eoff, en, eof = res
+        with self._lock:
+            self._count_paths(mode, edges, middle)
+            st = self._stats
+            if err or eof:
+                st.failed += 1
+            elif req.write:
+                st.write_bytes += done
+                st.writes += 1
+            else:
+                st.read_bytes += done
+                st.reads += 1
+        if err or eof:
+            exc = self._result_error(req, *res)
+            assert exc is not None
+            raise exc
         return done
 
     def _result_error(self, req: _Request, done: int, err: int, eoff: int, en: int,
@@ -918,7 +987,7 @@ class AioHandle:
                 st.read_bytes += token.done
                 st.reads += 1
             self._active -= 1
-            if self._active == 0:
+            if self._closed and self._active == 0:
                 self._idle.notify_all()
         if first is not None:
             fut.set_exception(first)
