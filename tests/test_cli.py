@@ -505,6 +505,10 @@ def test_without_torch(disk: Path) -> None:
         done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
                               text=True, timeout=TIMEOUT, check=False)
         assert_usage_error(done, "needs torch: pip install torch", "download.pytorch.org")
+    done = subprocess.run([sys.executable, "-c", code, "info", "--dir", str(disk)],
+                          capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "GPU              : unknown (torch is not installed)" in done.stdout
     assert listing(disk) == []
 
 
