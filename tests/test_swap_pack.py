@@ -449,3 +449,19 @@ def test_replaced_pack_is_deleted_in_the_background(tmp_dir: Path) -> None:
         _check(_snapshot(v2), sw.swap_in_state_dict(""))
     with TensorSwapper(d) as sw:
         assert _packs(d) == [new]
+
+
+def test_current_rank_prefers_the_process_group(tmp_dir: Path, monkeypatch) -> None:
+    import torch.distributed as dist
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    monkeypatch.setenv("RANK", "7")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_dir / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        assert current_rank() == (0, 1)        # the group's rank, the node-local rank
+        with TensorSwapper.for_rank([tmp_dir / "a", tmp_dir / "b"]) as sw:
+            assert sw.directory == str(tmp_dir / "b" / "rank0")
+    finally:
+        dist.destroy_process_group()
