@@ -1,14 +1,30 @@
-from collections.abc import Mapping
+"""Stub of aioswap._cufile: the cuFile C calls (policy: aioswap._cufile_load)."""
 from os import PathLike
 from types import TracebackType
 from typing import Any, SupportsIndex, Union
 
+from typing_extensions import disjoint_base
+
+from aioswap._cufile_load import Config as _Config
 from aioswap.errors import CuFileError
 
 _Path = Union[str, bytes, PathLike[str], PathLike[bytes]]
-_Config = Union[Mapping[str, Any], str, PathLike[str]]
 
-__all__: list[str]
+__all__ = [
+    "CuFileHandle",
+    "Driver",
+    "available",
+    "buf_deregister",
+    "buf_register",
+    "driver_close",
+    "driver_open",
+    "driver_users",
+    "error_message",
+    "error_name",
+    "library_path",
+    "load",
+    "version",
+]
 
 LIB_ENV: str
 SONAMES: tuple[str, ...]
@@ -29,6 +45,7 @@ def driver_open(config: _Config | None = None) -> None: ...
 def driver_close() -> None: ...
 def driver_users() -> int: ...
 
+@disjoint_base
 class Driver:
     def __init__(self, config: _Config | None = None) -> None: ...
     def close(self) -> None: ...
@@ -38,24 +55,10 @@ class Driver:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None: ...
 
-class DeviceRangeRegistry:
-    def __init__(self) -> None: ...
-    def add(self, ptr: SupportsIndex, nbytes: SupportsIndex, owner: object = None) -> None: ...
-    def remove(self, ptr: SupportsIndex) -> int: ...
-    def find(self, ptr: SupportsIndex, nbytes: SupportsIndex = 1) -> tuple[int, int] | None: ...
-    def overlapping(self, ptr: SupportsIndex,
-                    nbytes: SupportsIndex) -> list[tuple[int, int]]: ...
-    def owner(self, ptr: SupportsIndex) -> object: ...
-    def ranges(self) -> list[tuple[int, int]]: ...
-    def __len__(self) -> int: ...
-    def __contains__(self, ptr: object) -> bool: ...
-
-def registered_range(ptr: SupportsIndex,
-                     nbytes: SupportsIndex = 1) -> tuple[int, int] | None: ...
-def buf_register(ptr: SupportsIndex, nbytes: SupportsIndex, flags: int = 0,
-                 owner: object = None) -> None: ...
+def buf_register(ptr: SupportsIndex, nbytes: SupportsIndex, flags: int = 0) -> None: ...
 def buf_deregister(ptr: SupportsIndex) -> None: ...
 
+@disjoint_base
 class CuFileHandle:
     def __init__(self, file: _Path | int, *, write: bool = False, create: bool = False,
                  truncate: bool = False, direct: bool = True, mode: int = 0o644) -> None: ...

@@ -1,5 +1,5 @@
 # cython: language_level=3, embedsignature=True
-"""cuFile (GPUDirect Storage), loaded with ``dlopen`` at run time.
+"""cuFile (GPUDirect Storage), loaded with ``dlopen`` at run time: the C calls only.
 
 Nothing here needs CUDA to build or to import: the subset of ``cufile.h`` in use is declared
 in ``_cufile_api.pxd`` and every entry point is resolved with ``dlsym`` the first time cuFile
@@ -11,13 +11,14 @@ is used (:func:`load`). Where the library is missing, every call that needs it r
   hold a reference of their own.
 - :class:`CuFileHandle` registers a file with ``cuFileHandleRegister``; handles on the same
   open file share one registration. ``read``/``write`` continue short counts to completion.
-- :func:`buf_register` / :func:`buf_deregister` register device memory and record the range,
-  so I/O on any address inside it is issued against the registered base with an offset, as
-  cuFile requires.
+- :func:`buf_register` / :func:`buf_deregister` register device memory with cuFile and
+  nothing else: the record of registered ranges (overlap checks, the registered base of an
+  interior address, the owner kept alive) is the device index of :mod:`aioswap.pinned`.
 
-Nothing here knows about torch: device memory is a raw address whose owner the caller keeps
-alive. cuFile writes ``cufile.log`` into the current directory by default; unless
-``CUFILE_LOGFILE_PATH`` is set, aioswap points it at a private temporary directory instead.
+Policy lives in the typed :mod:`aioswap._cufile_load`: which libraries are tried, and the
+environment cuFile reads (its log file, pointed at a private temporary directory unless
+``CUFILE_LOGFILE_PATH`` is set, and a driver config). Nothing here knows about torch: device
+memory is a raw address whose owner the caller keeps alive.
 """
 cimport aioswap._cufile_api as cf
 from cpython.exc cimport PyErr_CheckSignals
@@ -28,40 +29,21 @@ from libc.string cimport memset
 from posix.dlfcn cimport RTLD_LOCAL, RTLD_NOW, dlclose, dlerror, dlopen, dlsym
 from posix.types cimport off_t
 
-import atexit
-import bisect
 import fcntl
-import glob
 import io
-import json
 import logging
 import operator
 import os
 import sys
-import tempfile
 import threading
 import warnings
-from collections.abc import Mapping
 
+from aioswap import _cufile_load as _policy
 from aioswap.errors import (CuFileError, CuFileUnavailable, DirectIOUnsupportedError,
                             HandleClosedError, ShortReadError)
 
-cdef extern from "<dlfcn.h>" nogil:
-    # GNU extensions; Python.h defines _GNU_SOURCE before this header is included.
-    ctypedef struct Dl_info:
-        const char* dli_fname
-        void* dli_fbase
-        const char* dli_sname
-        void* dli_saddr
-    int dladdr(const void* addr, Dl_info* info)
-    int RTLD_NOLOAD
-
-# cuGetErrorName of cuda.h, looked up in an already loaded libcuda for error messages only.
-ctypedef int (*_cuGetErrorName_t)(int error, const char** name) noexcept nogil
-
 __all__ = [
     "CuFileHandle",
-    "DeviceRangeRegistry",
     "Driver",
     "available",
     "buf_deregister",
@@ -73,14 +55,14 @@ __all__ = [
     "error_name",
     "library_path",
     "load",
-    "registered_range",
     "version",
 ]
 
 _log = logging.getLogger("aioswap")
 
-LIB_ENV = "AIOSWAP_CUFILE_LIB"
-SONAMES = ("libcufile.so.0", "libcufile.so")
+LIB_ENV = _policy.LIB_ENV
+SONAMES = _policy.SONAMES
+_env = _policy.environment
 
 # (name, message) of each CUfileOpError, as cufile.h's cufileop_status_error() words them.
 _ERRORS = {
@@ -199,12 +181,12 @@ def error_message(int code):
 cdef str _cuda_error_name(int code):
     """Name a CUresult, asking a libcuda that is already loaded (never loading one)."""
     cdef void* lib
-    cdef _cuGetErrorName_t fn
+    cdef cf.cuGetErrorName_t fn
     cdef const char* name = NULL
     cdef int rc = -1
-    lib = dlopen(b"libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD)
+    lib = dlopen(b"libcuda.so.1", RTLD_NOW | RTLD_LOCAL | cf.RTLD_NOLOAD)
     if lib != NULL:
-        fn = <_cuGetErrorName_t>dlsym(lib, b"cuGetErrorName")
+        fn = <cf.cuGetErrorName_t>dlsym(lib, b"cuGetErrorName")
         if fn != NULL:
             rc = fn(code, &name)
         dlclose(lib)
@@ -281,15 +263,12 @@ cdef struct _Api:
 
 cdef _Api _api          # all NULL until load() succeeds; only written with _lock held
 
-# One lock for the library, the driver count, the registration cache and the config file.
+# One lock for the library, the driver count, the registrations and cuFile's environment.
 # Reentrant: driver_open() loads, a file registration opens the driver.
 _lock = threading.RLock()
 _lib_path = None
 _driver_count = 0
-_driver_config_key = None
-_config_file = None     # temporary JSON written by aioswap for the open driver
-_saved_env = {}         # variables aioswap set -> the value they had before (None: unset)
-_private = None         # private temporary directory (config, cuFile log)
+_buffers = 0            # successful buf_register() calls not yet deregistered
 _registrations = {}     # registration key -> _Registration
 
 
@@ -309,7 +288,7 @@ cdef object _open_library(str candidate):
     cdef const char* cname = bname
     cdef void* lib
     cdef _Api a
-    cdef Dl_info info
+    cdef cf.Dl_info info
     global _api, _lib_path
     memset(&a, 0, sizeof(_Api))
     dlerror()
@@ -345,106 +324,13 @@ cdef object _open_library(str candidate):
         dlclose(lib)
         return f"{candidate}: loaded but lacks {', '.join(missing)} (not a cuFile library?)"
     where = candidate
-    if dladdr(<void*>a.driver_open, &info) != 0 and info.dli_fname != NULL:
+    if cf.dladdr(<void*>a.driver_open, &info) != 0 and info.dli_fname != NULL:
         where = os.path.abspath(os.fsdecode(<bytes>info.dli_fname))
     _api = a
     _lib_path = where
     _log.debug("cuFile loaded from %s (driver close: %s)", where, close_name)
     return None
 
-
-def _wheel_candidates():
-    """libcufile from NVIDIA wheels (nvidia/cufile/lib, nvidia/cu13/lib...) on sys.path."""
-    found = []
-    seen = set()
-    for entry in sys.path:
-        if not entry:           # "" is the current directory: never load code from it
-            continue
-        root = os.path.join(os.path.abspath(entry), "nvidia")
-        if not os.path.isdir(root):
-            continue
-        hits = glob.glob(os.path.join(root, "*", "lib", "libcufile.so*"))
-        hits.sort(reverse=True)         # nvidia/cufile, then nvidia/cu13 before nvidia/cu12
-        hits.sort(key=lambda p: not p.endswith(".so.0"))     # the soname first (stable)
-        for p in hits:
-            real = os.path.realpath(p)
-            if real not in seen:
-                seen.add(real)
-                found.append(p)
-    return found
-
-
-def _system_candidates():
-    """libcufile.so.0 in the CUDA toolkit and conda locations that exist."""
-    dirs = []
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            dirs.append(os.path.join(os.environ[var], "lib64"))
-    if os.environ.get("CONDA_PREFIX"):
-        dirs.append(os.path.join(os.environ["CONDA_PREFIX"], "lib"))
-    dirs.append("/usr/local/cuda/lib64")
-    out = []
-    for d in dirs:
-        p = os.path.join(os.path.abspath(os.path.expanduser(d)), "libcufile.so.0")
-        if os.path.exists(p) and p not in out:
-            out.append(p)
-    return out
-
-
-cdef str _expand_lib(str value):
-    """A path is made absolute (``~`` expanded); a bare name is left to the loader's search."""
-    value = os.path.expanduser(value)
-    return os.path.abspath(value) if "/" in value else value
-
-
-def _private_dir():
-    """The process's private temporary directory for cuFile's config and log (mode 0700)."""
-    global _private
-    if _private is None or not os.path.isdir(_private):
-        _private = os.path.abspath(tempfile.mkdtemp(prefix="aioswap-cufile-"))
-    return _private
-
-
-def _set_env(str name, str value):
-    if name not in _saved_env:
-        _saved_env[name] = os.environ.get(name)
-    os.environ[name] = value
-
-
-def _restore_env(str name):
-    if name in _saved_env:
-        old = _saved_env.pop(name)
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
-def _cleanup_private():
-    """Remove aioswap's config file, an empty cuFile log and the directory when empty."""
-    global _private, _config_file
-    if _config_file is not None:
-        try:
-            os.unlink(_config_file)
-        except OSError:
-            pass
-        _config_file = None
-    if _private is None:
-        return
-    logfile = os.path.join(_private, "cufile.log")
-    try:
-        if os.path.getsize(logfile) == 0:
-            os.unlink(logfile)
-    except OSError:
-        pass
-    try:
-        os.rmdir(_private)
-        _private = None
-    except OSError:
-        pass        # cuFile logged something: keep it for the user
-
-
-atexit.register(_cleanup_private)
 
 
 def load(path=None):
@@ -457,7 +343,8 @@ def load(path=None):
         else ``libcufile.so.0`` and ``libcufile.so`` through the dynamic loader's search, then
         ``nvidia/*/lib/libcufile.so*`` of the NVIDIA wheels (``nvidia-cufile-cu12``, or
         ``nvidia/cu13``) in every ``sys.path`` entry, then ``$CUDA_HOME/lib64``,
-        ``$CUDA_PATH/lib64``, ``$CONDA_PREFIX/lib`` and ``/usr/local/cuda/lib64``.
+        ``$CUDA_PATH/lib64``, ``$CONDA_PREFIX/lib`` and ``/usr/local/cuda/lib64``
+        (:func:`aioswap._cufile_load.search`).
 
     Returns
     -------
@@ -480,50 +367,23 @@ def load(path=None):
     current directory.
     """
     with _lock:
-        if path is not None:
-            want = _expand_lib(os.fsdecode(path))
         if _api.lib != NULL:
-            if (path is not None and "/" in want
-                    and os.path.realpath(want) != os.path.realpath(_lib_path)):
-                raise RuntimeError(f"cuFile is already loaded from {_lib_path}; cannot load "
-                                   f"{want} as well")
+            why = _policy.conflicts(path, _lib_path)
+            if why is not None:
+                raise RuntimeError(why)
             return _lib_path
-        from_env = False
-        if path is not None:
-            candidates = [want]
-        elif os.environ.get(LIB_ENV):
-            candidates = [_expand_lib(os.environ[LIB_ENV])]
-            from_env = True
-        else:
-            candidates = list(SONAMES) + _wheel_candidates() + _system_candidates()
-        set_log = not os.environ.get("CUFILE_LOGFILE_PATH")
-        if set_log:
-            _set_env("CUFILE_LOGFILE_PATH", os.path.join(_private_dir(), "cufile.log"))
+        found = _policy.search(path)
+        set_log = _env.point_log()
         failures = []
-        for cand in candidates:
+        for cand in found.candidates:
             why = _open_library(cand)
             if why is None:
                 return _lib_path
             failures.append(why)
         if set_log:
-            _restore_env("CUFILE_LOGFILE_PATH")
-            _cleanup_private()
-        raise CuFileUnavailable(_unavailable_message(failures, path is not None, from_env))
+            _env.unpoint_log()
+        raise CuFileUnavailable(_policy.unavailable_message(failures, found.origin))
 
-
-cdef str _unavailable_message(list failures, bint explicit, bint from_env):
-    tried = "; ".join(failures)
-    if explicit:
-        return f"cuFile (GPUDirect Storage) is unavailable: cannot load libcufile: {tried}"
-    if from_env:
-        return (f"cuFile (GPUDirect Storage) is unavailable: {LIB_ENV}="
-                f"{os.environ.get(LIB_ENV)} cannot be loaded: {tried}. Point {LIB_ENV} at "
-                f"libcufile.so.0, or unset it to search the usual places")
-    if not any("nvidia" in f for f in failures):
-        tried += "; no nvidia/*/lib/libcufile.so* in any sys.path entry"
-    return (f"cuFile (GPUDirect Storage) is unavailable: libcufile was not found. Tried: "
-            f"{tried}. Install NVIDIA's cuFile wheel (pip install nvidia-cufile-cu12; CUDA "
-            f"builds of torch depend on it) or set {LIB_ENV} to the library's path")
 
 
 def available(bint check_driver=False):
@@ -574,27 +434,9 @@ def version():
     return v
 
 
+
 # ---------------------------------------------------------------------------------------------
 # Driver
-
-def _config_key(config):
-    if isinstance(config, Mapping):
-        return ("json", json.dumps(config, sort_keys=True, default=str))
-    return ("path", os.path.abspath(os.path.expanduser(os.fsdecode(config))))
-
-
-def _write_config(config):
-    """Write a config mapping to a private temporary file; return its absolute path."""
-    fd, name = tempfile.mkstemp(prefix="aioswap-cufile-", suffix=".json", dir=_private_dir())
-    name = os.path.abspath(name)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(dict(config), f, indent=1)
-    except BaseException:
-        os.unlink(name)
-        raise
-    return name
-
 
 def driver_open(config=None):
     """Open the cuFile driver for one more user (``cuFileDriverOpen`` for the first).
@@ -619,54 +461,23 @@ def driver_open(config=None):
         ``config`` names a file that does not exist.
     """
     cdef cf.CUfileError_t st
-    global _driver_count, _driver_config_key, _config_file
+    global _driver_count
     with _lock:
         if _driver_count > 0:
-            if config is not None and _config_key(config) != _driver_config_key:
-                raise ValueError("the cuFile driver is already open with another config; "
-                                 "a config applies only to the first driver_open()")
+            _env.check_config(config)
             _driver_count += 1
             return
         load()
-        owned = None
-        key = None
-        if config is not None:
-            key = _config_key(config)
-            if key[0] == "json":
-                owned = cfg = _write_config(config)
-            else:
-                cfg = key[1]
-                if not os.path.isfile(cfg):
-                    raise FileNotFoundError(f"cuFile config {cfg!r} does not exist")
-            _set_env("CUFILE_ENV_PATH_JSON", cfg)
-        else:
-            user = os.environ.get("CUFILE_ENV_PATH_JSON")
-            if user and (not os.path.isabs(user) or user.startswith("~")):
-                _set_env("CUFILE_ENV_PATH_JSON", os.path.abspath(os.path.expanduser(user)))
-        _config_file = owned
+        _env.apply_config(config)
         with nogil:
             st = _api.driver_open()
         try:
             _check_status(st, "cuFileDriverOpen")
         except CuFileError as exc:
-            _forget_config()
-            raise CuFileUnavailable(f"cuFile (GPUDirect Storage) is unavailable: the cuFile "
-                                    f"driver does not open ({exc.strerror}); a GPU, its driver "
-                                    f"and a supported platform are needed") from exc
+            _env.forget_config()
+            raise CuFileUnavailable(_policy.driver_unavailable_message(exc.strerror)) from exc
         _driver_count = 1
-        _driver_config_key = key
 
-
-def _forget_config():
-    global _config_file, _driver_config_key
-    _restore_env("CUFILE_ENV_PATH_JSON")
-    if _config_file is not None:
-        try:
-            os.unlink(_config_file)
-        except OSError:
-            pass
-        _config_file = None
-    _driver_config_key = None
 
 
 def driver_close():
@@ -689,7 +500,7 @@ def driver_close():
             return
         with nogil:
             st = _api.driver_close()
-        _forget_config()
+        _env.forget_config()
         _check_status(st, "cuFileDriverClose")
 
 
@@ -754,155 +565,43 @@ cdef void _warn_unclosed(str what):
         warnings.warn(f"unclosed {what}", ResourceWarning, stacklevel=2)
 
 
+
 # ---------------------------------------------------------------------------------------------
-# Device ranges
+# Device memory
 
-class DeviceRangeRegistry:
-    """Sorted, non-overlapping device address ranges ``[start, end)``, each with an owner.
-
-    Lookups take no lock: they bisect an immutable snapshot that writers replace whole.
-    """
-
-    def __init__(self):
-        self._write_lock = threading.Lock()
-        self._snap = ((), (), ())      # starts, ends, owners
-
-    def add(self, ptr, nbytes, owner=None):
-        """Record ``[ptr, ptr + nbytes)``.
-
-        Raises
-        ------
-        ValueError
-            ``ptr`` <= 0, ``nbytes`` <= 0, or the range overlaps a recorded one.
-        """
-        start = operator.index(ptr)
-        n = operator.index(nbytes)
-        if start <= 0:
-            raise ValueError(f"invalid device address {start:#x}")
-        if n <= 0:
-            raise ValueError(f"device range needs a positive size, got {n}")
-        end = start + n
-        with self._write_lock:
-            starts, ends, owners = self._snap
-            i = bisect.bisect_right(starts, start)
-            for j in (i - 1, i):
-                if 0 <= j < len(starts) and starts[j] < end and start < ends[j]:
-                    raise ValueError(f"device range [{start:#x}, {end:#x}) overlaps the "
-                                     f"registered range [{starts[j]:#x}, {ends[j]:#x})")
-            self._snap = (starts[:i] + (start,) + starts[i:], ends[:i] + (end,) + ends[i:],
-                          owners[:i] + (owner,) + owners[i:])
-
-    def remove(self, ptr):
-        """Forget the range starting at ``ptr``; return its size.
-
-        Raises
-        ------
-        ValueError
-            No recorded range starts at ``ptr``.
-        """
-        start = operator.index(ptr)
-        with self._write_lock:
-            starts, ends, owners = self._snap
-            i = bisect.bisect_left(starts, start)
-            if i == len(starts) or starts[i] != start:
-                raise ValueError(f"no registered device range starts at {start:#x}")
-            n = ends[i] - start
-            self._snap = (starts[:i] + starts[i + 1:], ends[:i] + ends[i + 1:],
-                          owners[:i] + owners[i + 1:])
-        return n
-
-    def find(self, ptr, nbytes=1):
-        """Return ``(start, end)`` of the range holding all of ``[ptr, ptr + nbytes)``, or None.
-
-        A zero ``nbytes`` asks whether ``ptr`` itself lies in a range.
-        """
-        p = operator.index(ptr)
-        n = operator.index(nbytes)
-        if n < 0:
-            raise ValueError(f"negative size {n}")
-        starts, ends, _ = self._snap
-        i = bisect.bisect_right(starts, p) - 1
-        if i >= 0 and p < ends[i] and p + n <= ends[i]:
-            return (starts[i], ends[i])
-        return None
-
-    def overlapping(self, ptr, nbytes):
-        """Return the ``(start, end)`` of every range that overlaps ``[ptr, ptr + nbytes)``."""
-        p = operator.index(ptr)
-        end = p + operator.index(nbytes)
-        starts, ends, _ = self._snap
-        i = max(bisect.bisect_right(starts, p) - 1, 0)
-        out = []
-        while i < len(starts) and starts[i] < end:
-            if ends[i] > p:
-                out.append((starts[i], ends[i]))
-            i += 1
-        return out
-
-    def owner(self, ptr):
-        """Return the owner recorded with the range starting at ``ptr``."""
-        start = operator.index(ptr)
-        starts, _, owners = self._snap
-        i = bisect.bisect_left(starts, start)
-        if i == len(starts) or starts[i] != start:
-            raise ValueError(f"no registered device range starts at {start:#x}")
-        return owners[i]
-
-    def ranges(self):
-        """Return every ``(start, end)``, sorted."""
-        starts, ends, _ = self._snap
-        return list(zip(starts, ends))
-
-    def __len__(self):
-        return len(self._snap[0])
-
-    def __contains__(self, ptr):
-        return self.find(ptr, 0) is not None
-
-    def __repr__(self):
-        return f"<aioswap._cufile.DeviceRangeRegistry {len(self)} ranges>"
-
-
-_ranges = DeviceRangeRegistry()
-
-
-def registered_range(ptr, nbytes=1):
-    """Return ``(start, end)`` of the :func:`buf_register`-ed range holding
-    ``[ptr, ptr + nbytes)``, or None."""
-    return _ranges.find(ptr, nbytes)
-
-
-def buf_register(ptr, nbytes, int flags=0, owner=None):
+def buf_register(ptr, nbytes, int flags=0):
     """Register device memory ``[ptr, ptr + nbytes)`` with cuFile (``cuFileBufRegister``).
 
     Parameters
     ----------
     ptr : int
-        Device address, the base that I/O on this memory will be issued against.
+        Device address, the base that I/O on this memory must be issued against.
     nbytes : int
         Size in bytes (> 0).
     flags : int
         ``cuFileBufRegister`` flags (0).
-    owner : object, optional
-        Kept referenced until :func:`buf_deregister`, so the memory outlives its registration.
 
     Raises
     ------
     ValueError
-        Bad address or size, or the range overlaps one already registered.
+        Bad address or size.
     CuFileUnavailable
         libcufile or the driver is unavailable.
     CuFileError
-        cuFile refused the registration.
+        cuFile refused the registration (``CU_FILE_MEMORY_ALREADY_REGISTERED`` for a base
+        registered already).
 
     Notes
     -----
-    A registration holds a driver reference. :class:`CuFileHandle` I/O on any address inside
-    a registered range is issued as ``(start, offset)``, as cuFile requires.
+    A registration holds a driver reference. Nothing is recorded here: the caller keeps
+    the memory alive until :func:`buf_deregister`, refuses overlapping ranges and issues
+    I/O inside the range as ``(ptr, offset)``; :mod:`aioswap.gds` does all three with the
+    device index of :mod:`aioswap.pinned`.
     """
     cdef cf.CUfileError_t st
     cdef const void* p
     cdef size_t n
+    global _buffers
     start = operator.index(ptr)
     size = operator.index(nbytes)
     if start <= 0:
@@ -910,10 +609,6 @@ def buf_register(ptr, nbytes, int flags=0, owner=None):
     if size <= 0:
         raise ValueError(f"buf_register needs a positive size, got {size}")
     with _lock:
-        hit = _ranges.overlapping(start, size)
-        if hit:
-            raise ValueError(f"device range [{start:#x}, {start + size:#x}) overlaps the "
-                             f"registered range [{hit[0][0]:#x}, {hit[0][1]:#x})")
         driver_open()
         p = <const void*><uintptr_t>start
         n = <size_t>size
@@ -924,30 +619,35 @@ def buf_register(ptr, nbytes, int flags=0, owner=None):
         except BaseException:
             driver_close()
             raise
-        _ranges.add(start, size, owner)
+        _buffers += 1
 
 
 def buf_deregister(ptr):
-    """Deregister the range that :func:`buf_register` registered at ``ptr``.
+    """Deregister the device memory that :func:`buf_register` registered at ``ptr``.
 
     Raises
     ------
     ValueError
-        No range was registered at ``ptr``.
+        Nothing is registered (no cuFile call is made).
     CuFileError
-        cuFile refused; the range stays registered.
+        cuFile refused (``CU_FILE_MEMORY_NOT_REGISTERED`` for an address it does not know);
+        a registration stays registered.
     """
     cdef cf.CUfileError_t st
     cdef const void* p
+    global _buffers
     start = operator.index(ptr)
     with _lock:
-        _ranges.owner(start)            # ValueError when not registered here
+        if _buffers == 0:
+            raise ValueError(f"cannot deregister {start:#x}: no device memory is registered "
+                             f"with cuFile")
         p = <const void*><uintptr_t>start
         with nogil:
             st = _api.buf_deregister(p)
         _check_status(st, f"cuFileBufDeregister({start:#x})")
-        _ranges.remove(start)
+        _buffers -= 1
         driver_close()
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1242,9 +942,9 @@ cdef class CuFileHandle:
 
         Notes
         -----
-        Short counts are continued until all bytes moved. When the target lies inside a
-        :func:`buf_register`-ed range, the call is issued against the range's start with the
-        matching offset.
+        Short counts are continued until all bytes moved. ``dev_ptr`` and ``buf_offset`` go
+        to cuFile as given: for memory inside a :func:`buf_register`-ed range, pass the
+        range's start and the offset into it, as cuFile requires.
         """
         return self._io(False, dev_ptr, nbytes, file_offset, buf_offset)
 
@@ -1284,17 +984,11 @@ cdef class CuFileHandle:
             return 0
         if ptr <= 0:
             raise ValueError(f"{op}: invalid buffer address {ptr:#x}")
-        addr = ptr + boff
-        hit = _ranges.find(addr, n)
-        if hit is not None:
-            base, boff = hit[0], addr - hit[0]
-        else:
-            base = ptr
         memset(&r, 0, sizeof(_Io))
         r.read_fn = _api.read
         r.write_fn = _api.write
         r.fh = self._fh
-        r.base = <void*><uintptr_t>base
+        r.base = <void*><uintptr_t>ptr
         r.size = <size_t>n
         r.file_offset = <off_t>foff
         r.buf_offset = <off_t>boff
@@ -1361,6 +1055,7 @@ cdef object _fd_size(int fd):
         return None
 
 
+
 # ---------------------------------------------------------------------------------------------
 # Test support
 
@@ -1368,7 +1063,7 @@ def _state():
     """Counts of what is loaded and held, for tests and diagnostics."""
     return {"loaded": _api.lib != NULL, "driver_users": _driver_count,
             "registrations": sum((<_Registration>r).users for r in _registrations.values()),
-            "files": len(_registrations), "buffers": len(_ranges)}
+            "files": len(_registrations), "buffers": _buffers}
 
 
 def _unload():
@@ -1376,11 +1071,10 @@ def _unload():
     anything is open or registered."""
     global _lib_path
     with _lock:
-        if _driver_count or _registrations or len(_ranges):
+        if _driver_count or _registrations or _buffers:
             raise RuntimeError(f"cuFile is in use: {_state()}")
         # Forget the entry points but leave the library mapped: libraries like cuFile may
         # keep threads or atexit handlers that would run in unmapped code.
         memset(&_api, 0, sizeof(_Api))
         _lib_path = None
-        _restore_env("CUFILE_LOGFILE_PATH")
-        _cleanup_private()
+        _env.unpoint_log()

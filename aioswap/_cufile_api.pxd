@@ -1,5 +1,6 @@
 # cython: language_level=3
 # Declarations of the subset of <cufile.h> that aioswap uses, in header order; no logic here.
+# At the end, the two <dlfcn.h> GNU extensions and the one cuda.h function the loader uses.
 #
 # Declared here rather than taken from the header: cufile.h (and the cuda.h it includes) are
 # not needed to build aioswap. libcufile is dlopen'ed at run time and every entry point is
@@ -111,3 +112,17 @@ ctypedef ssize_t (*cuFileWrite_t)(CUfileHandle_t fh, const void* bufPtr_base, si
                                   off_t file_offset, off_t bufPtr_offset) noexcept nogil
 
 # batch I/O, stream-ordered I/O, parameters and statistics left out
+
+
+# ---- <dlfcn.h>: GNU extensions (Python.h defines _GNU_SOURCE before this header) ----
+cdef extern from "<dlfcn.h>" nogil:
+    ctypedef struct Dl_info:
+        const char* dli_fname
+        void* dli_fbase
+        const char* dli_sname
+        void* dli_saddr
+    int dladdr(const void* addr, Dl_info* info)
+    int RTLD_NOLOAD
+
+# ---- cuda.h: cuGetErrorName, looked up in an already loaded libcuda for messages only ----
+ctypedef int (*cuGetErrorName_t)(int error, const char** name) noexcept nogil

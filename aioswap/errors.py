@@ -17,6 +17,7 @@ __all__ = [
     "DirectIOUnsupportedError",
     "HandleClosedError",
     "PinnedMemoryError",
+    "PinnedMemoryWarning",
     "ShortReadError",
     "SwapError",
     "TuneError",
@@ -85,3 +86,13 @@ class AioswapWarning(UserWarning):
 
 class DirectIOFallbackWarning(AioswapWarning):
     """A file system refused ``O_DIRECT``; the handle serves that file with buffered I/O."""
+
+
+class PinnedMemoryWarning(AioswapWarning):
+    """Memory could not be locked and unlocked memory was handed out instead (``strict=False``).
+
+    A ``UserWarning`` rather than a ``ResourceWarning`` so that it is shown by default: the
+    fallback works, but direct I/O on that memory is off and transfers go through bounce
+    buffers. It is issued once per process; every fallback is also logged at INFO level on
+    the ``"aioswap"`` logger. Also importable as ``aioswap.pinned.PinnedMemoryWarning``.
+    """

@@ -66,11 +66,13 @@ class GdsHandle(AioHandle):
         with self._pin_lock:
             if ptr in self._pins:
                 raise ValueError(f"device memory at {ptr:#x} is already pinned by this handle")
-            _cufile.buf_register(ptr, n, 0, tensor)
+            # The registry's device index is the one record of cuFile-registered ranges: it
+            # refuses overlaps and keeps the tensor alive; cuFile only gets the C call.
+            reg = pinned.register(ptr, n, device=True, owner=tensor)
             try:
-                reg = pinned.register(ptr, n, device=True, owner=tensor)
+                _cufile.buf_register(ptr, n)
             except BaseException:
-                _cufile.buf_deregister(ptr)
+                reg.close()
                 raise
             self._pins[ptr] = (tensor, reg)
 
@@ -78,11 +80,12 @@ class GdsHandle(AioHandle):
         """Undo :meth:`pin_device_tensor`."""
         ptr = tensor.data_ptr()
         with self._pin_lock:
-            entry = self._pins.pop(ptr, None)
-        if entry is None:
-            raise ValueError(f"device memory at {ptr:#x} was not pinned by this handle")
+            entry = self._pins.get(ptr)
+            if entry is None:
+                raise ValueError(f"device memory at {ptr:#x} was not pinned by this handle")
+            _cufile.buf_deregister(ptr)         # when cuFile refuses, it stays pinned
+            del self._pins[ptr]
         entry[1].close()
-        _cufile.buf_deregister(ptr)
 
     def new_pinned_device_tensor(self, numel: int, dtype: torch.dtype,
                                  device: Any = "cuda") -> torch.Tensor:
@@ -101,8 +104,10 @@ class GdsHandle(AioHandle):
             with self._pin_lock:
                 pins, self._pins = list(self._pins.items()), {}
             for ptr, (_t, reg) in pins:
-                reg.close()
-                _cufile.buf_deregister(ptr)
+                try:
+                    _cufile.buf_deregister(ptr)
+                finally:
+                    reg.close()
             driver, self._driver = self._driver, None
             if driver is not None:
                 driver.close()
@@ -113,7 +118,8 @@ class _CuFileTransport(DeviceTransport):
 
     def transfer(self, write: bool, address: int, nbytes: int, fd: int,
                  offset: int) -> tuple[int, str]:
-        rng = _cufile.registered_range(address, nbytes)
+        # cuFile wants I/O inside a registered buffer issued against the buffer's base.
+        rng = pinned.registry.find(address, nbytes, device=True)
         base, buf_off = (rng[0], address - rng[0]) if rng is not None else (address, 0)
         with _cufile.CuFileHandle(fd, write=write) as cf:
             if write:

@@ -2,13 +2,21 @@
 
 :data:`registry`, the one :class:`PinnedRegistry` of the process, answers before every I/O
 request whether a buffer lies entirely inside locked memory, so that the request can go
-straight to the drive with ``O_DIRECT`` or must be staged through a bounce buffer. It holds an
-interval index of locked host ranges ``[start, end)`` (sorted, non-overlapping) and, apart from
-it, ranges of device memory registered with cuFile.
+straight to the drive with ``O_DIRECT`` or must be staged through a bounce buffer. It keeps
+two :class:`~aioswap._ranges.RangeIndex` of ranges ``[start, end)``: locked host memory, and
+device memory registered with cuFile (:mod:`aioswap.gds` registers there and looks up the
+registered base of a device address there).
 
-It also hands out locked memory (:func:`allocate`, :func:`empty`, :func:`empty_numpy`) whose
-range is registered while the memory lives and unregistered, unlocked and unmapped when the last
-object viewing it is collected, and records ranges locked elsewhere (:func:`register`).
+It also hands out locked memory (:func:`allocate`, :func:`empty`) and records ranges locked
+elsewhere (:func:`register`).
+
+Lifetime, by construction: the pages of an allocation belong to its
+:class:`~aioswap._aio.LockedMemory`, and every tensor made by :func:`empty` owns its storage
+through a buffer export of that object (``torch.frombuffer`` over a ``memoryview`` of it). The
+range is unregistered (a ``weakref.finalize``), and the pages unlocked and unmapped, only when
+the LockedMemory is deallocated, that is when the last tensor, array, memoryview or reference
+over it is gone. Nothing here unmaps memory that a live object can still reach, so nothing
+needs reference or use counts; :func:`free` only refuses memory that I/O requests still hold.
 
 The module imports neither torch nor numpy: it recognises their objects once their modules
 are loaded and imports them only in the functions that create them.
@@ -25,7 +33,6 @@ import sys
 import threading
 import warnings
 import weakref
-from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,25 +40,22 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Union
 
 from aioswap._aio import PAGE_SIZE, LockedMemory
-from aioswap.errors import AioswapWarning, PinnedMemoryError
+from aioswap._ranges import RangeIndex
+from aioswap._units import format_size
+# PinnedMemoryWarning lives in aioswap.errors; aioswap.pinned.PinnedMemoryWarning stays valid.
+from aioswap.errors import PinnedMemoryError, PinnedMemoryWarning
 
 if TYPE_CHECKING:
-    import numpy
-    import numpy.typing as npt
     import torch
     from typing_extensions import Self
 
 __all__ = [
-    "PinnedMemoryWarning",
     "PinnedRegistry",
     "PinnedStats",
     "Registration",
     "allocate",
     "empty",
-    "empty_numpy",
-    "extent",
     "free",
-    "is_device_registered",
     "is_pinned",
     "register",
     "registry",
@@ -71,16 +75,6 @@ _UNLOCKED = "unlocked"      # strict=False fallback: tracked for free(), never i
 
 # errno values mlock(2) uses for "not allowed to lock that much".
 _MLOCK_LIMIT_ERRNOS = frozenset({errno.EPERM, errno.ENOMEM, errno.EAGAIN})
-
-
-class PinnedMemoryWarning(AioswapWarning):
-    """Memory could not be locked and unlocked memory was handed out instead (``strict=False``).
-
-    A ``UserWarning`` rather than a ``ResourceWarning`` so that it is shown by default: the
-    fallback works, but direct I/O on that memory is off and transfers go through bounce
-    buffers. It is issued once per process; every fallback is also logged at INFO level on
-    the ``"aioswap"`` logger.
-    """
 
 
 @dataclass(frozen=True)
@@ -123,8 +117,7 @@ class PinnedStats:
 class _Range:
     """One registered (or tracked) range and what keeps it alive."""
 
-    __slots__ = ("baseline", "device", "end", "finalizer", "freeing", "io", "kind", "live",
-                 "owner", "ref", "start")
+    __slots__ = ("device", "end", "finalizer", "io", "kind", "live", "owner", "ref", "start")
 
     def __init__(self, start: int, end: int, kind: str, device: bool = False,
                  owner: object = None) -> None:
@@ -136,69 +129,12 @@ class _Range:
         self.live = True
         self.ref: weakref.ReferenceType[LockedMemory] | None = None
         self.finalizer: weakref.finalize[Any, Any] | None = None
-        # sys.getrefcount of the LockedMemory behind a pinned.empty() tensor while that tensor
-        # is its only view (measured in empty(), compared in free()); None for other kinds.
-        self.baseline: int | None = None
         self.io = 0                 # I/O requests in flight on this memory (hold/unhold)
-        self.freeing = False        # free() is releasing it: no new holds
 
-
-class _Index:
-    """Sorted, non-overlapping ranges in parallel lists; mutated only under the registry lock."""
-
-    __slots__ = ("ends", "recs", "starts")
-
-    def __init__(self) -> None:
-        self.starts: list[int] = []
-        self.ends: list[int] = []
-        self.recs: list[_Range] = []
-
-    def overlap(self, start: int, end: int) -> _Range | None:
-        """The registered range overlapping ``[start, end)``, if any."""
-        i = bisect_right(self.starts, start) - 1
-        if i >= 0 and self.ends[i] > start:
-            return self.recs[i]
-        if i + 1 < len(self.starts) and self.starts[i + 1] < end:
-            return self.recs[i + 1]
-        return None
-
-    def containing(self, address: int) -> _Range | None:
-        """The range holding byte ``address``, if any."""
-        i = bisect_right(self.starts, address) - 1
-        if i >= 0 and address < self.ends[i]:
-            return self.recs[i]
-        return None
-
-    def at(self, start: int) -> _Range | None:
-        """The range starting exactly at ``start``, if any."""
-        i = bisect_left(self.starts, start)
-        if i < len(self.starts) and self.starts[i] == start:
-            return self.recs[i]
-        return None
-
-    def insert(self, rec: _Range) -> None:
-        i = bisect_left(self.starts, rec.start)
-        self.starts.insert(i, rec.start)
-        self.ends.insert(i, rec.end)
-        self.recs.insert(i, rec)
-
-    def remove(self, rec: _Range) -> bool:
-        i = bisect_left(self.starts, rec.start)
-        if i < len(self.starts) and self.recs[i] is rec:
-            del self.starts[i], self.ends[i], self.recs[i]
-            return True
-        return False
-
-    def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[_Range, ...]]:
-        return tuple(self.starts), tuple(self.ends), tuple(self.recs)
-
-
-_Snapshot = tuple[tuple[int, ...], tuple[int, ...], tuple[_Range, ...]]
 
 # torch.Tensor once torch is imported by someone (never imported from here on a query).
 _Tensor: Any = None
-# Tensor subclasses seen so far -> whether their instances own real memory (FakeTensor and
-# FunctionalTensor do not, and FakeTensor.data_ptr() warns).
+# Tensor subclasses seen so far -> whether their instances own real memory.
 _subclass_has_memory: dict[type, bool] = {}
 
 
@@ -213,16 +149,19 @@ def _tensor_type() -> Any:
 
 
 def _has_memory(cls: type) -> bool:
-    """Whether instances of this torch.Tensor subclass are backed by real memory."""
+    """Whether instances of this torch.Tensor subclass are taken to be backed by real memory.
+
+    A subclass that defines ``__torch_dispatch__`` (fake, functional and other wrapper
+    tensors) is a stand-in whose ``data_ptr()`` means nothing (FakeTensor's warns): its
+    memory is never asked for, so it is never pinned and never freed here. That is the
+    documented extension point, so no torch module path is needed; a real-memory subclass
+    that defines it only loses direct I/O (staged instead), never correctness.
+    """
     known = _subclass_has_memory.get(cls)
     if known is None:
-        known = True
-        for module, name in (("torch._subclasses.fake_tensor", "FakeTensor"),
-                             ("torch._subclasses.functional_tensor", "FunctionalTensor")):
-            mod = sys.modules.get(module)
-            fake = getattr(mod, name, None) if mod is not None else None
-            if isinstance(fake, type) and issubclass(cls, fake):
-                known = False
+        base = _tensor_type()
+        known = not any("__torch_dispatch__" in vars(k) for k in cls.__mro__
+                        if k is not base and k is not object)
         _subclass_has_memory[cls] = known
     return known
 
@@ -283,50 +222,8 @@ def _address_pair(x: tuple[Any, ...]) -> tuple[int, int]:
     return address, address + nbytes
 
 
-def extent(x: object) -> tuple[int, int]:
-    """Byte extent ``[lo, hi)`` of ``x`` in memory.
-
-    Parameters
-    ----------
-    x : torch.Tensor, numpy.ndarray, memoryview, buffer-protocol object or (address, nbytes)
-        For strided and non-contiguous views, ``lo`` is the lowest byte any element touches
-        and ``hi`` one past the highest; torch's ``data_ptr()`` already includes the storage
-        offset. CUDA tensors give device addresses.
-
-    Returns
-    -------
-    tuple of int
-        ``(lo, hi)``; ``(addr, addr)`` when ``x`` holds no bytes (``(0, 0)`` for an empty
-        memoryview or a released :class:`~aioswap._aio.LockedMemory`).
-
-    Raises
-    ------
-    ValueError
-        For tensors without memory (meta, fake and functional tensors, sparse layouts) and
-        negative (address, nbytes).
-    TypeError
-        For objects that expose no memory.
-    """
-    if type(x) is tuple:
-        return _address_pair(x)
-    tensor_type = _tensor_type()
-    if tensor_type is not None and isinstance(x, tensor_type):
-        t: Any = x
-        if t.is_meta or not _has_memory(type(t)):
-            raise ValueError(f"a {type(t).__name__} on device {t.device} has no memory")
-        try:
-            return _tensor_extent(t)
-        except (RuntimeError, NotImplementedError) as exc:   # sparse, nested, wrappers
-            raise ValueError(f"tensor with layout {t.layout} has no single extent: {exc}") \
-                from None
-    return _buffer_extent(x)
-
-
 def _format_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.4g} {unit} ({n} bytes)"
-    return f"{n} bytes"
+    return f"{n} bytes" if n < 1024 else f"{format_size(n)} ({n} bytes)"
 
 
 def _format_limit(n: int) -> str:
@@ -427,7 +324,7 @@ class Registration:
 
 
 class PinnedRegistry:
-    """Interval index of page-locked memory, and the allocator of such memory.
+    """Index of page-locked memory, and the allocator of such memory.
 
     Use the process-wide instance :data:`aioswap.pinned.registry` (the module functions are
     its bound methods); a separate instance knows only its own ranges.
@@ -435,24 +332,22 @@ class PinnedRegistry:
     Notes
     -----
     Thread safety: every change (allocation, registration, collection of memory) happens
-    under one lock and invalidates an immutable snapshot of the host (or device) index.
-    Queries take no lock: they run ``bisect`` on the current snapshot, O(log n). The first
-    query after a change rebuilds the snapshot once, under the lock, in O(n), so n
-    registrations followed by queries cost O(n) in total, not O(n^2).
+    under one lock, which is also the guard of both :class:`~aioswap._ranges.RangeIndex`.
+    Queries take no lock: they bisect the index's immutable snapshot, O(log n); the first
+    query after a change rebuilds it once.
 
     Lifetime: an allocation's range is removed by a ``weakref.finalize`` on its
     :class:`~aioswap._aio.LockedMemory`, which runs before the pages are unlocked and
-    unmapped, so no other mapping can reuse the address while it is still registered.
+    unmapped, so no other mapping can reuse the address while it is still registered. The
+    pages go only with the LockedMemory itself (see the module's docstring).
     """
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._owner: int | None = None          # thread id inside a critical section
-        self._pending: list[_Range] = []           # collected during our own critical section
-        self._host = _Index()
-        self._device = _Index()
-        self._host_snap: _Snapshot | None = ((), (), ())
-        self._device_snap: _Snapshot | None = ((), (), ())
+        self._pending: list[_Range] = []        # collected during our own critical section
+        self._host: RangeIndex[_Range] = RangeIndex(self._critical)
+        self._device: RangeIndex[_Range] = RangeIndex(self._critical)
         self._io_lock = threading.Lock()
         self._unlocked: dict[int, _Range] = {}
         self._bytes_locked = 0
@@ -495,28 +390,29 @@ class PinnedRegistry:
             self._remove(rec)
 
     def _insert(self, rec: _Range) -> None:
+        """Index ``rec`` and count it (under the lock)."""
         index = self._device if rec.device else self._host
         other = index.overlap(rec.start, rec.end)
         if other is not None:
             kind = "device" if rec.device else "host"
             raise ValueError(
                 f"{kind} range [{rec.start:#x}, {rec.end:#x}) overlaps the registered range "
-                f"[{other.start:#x}, {other.end:#x}) ({other.kind}); ranges may not overlap: "
-                f"unregister the other one first, or register exactly the memory you locked")
-        index.insert(rec)
+                f"[{other.start:#x}, {other.end:#x}) ({other.value.kind}); ranges may not "
+                f"overlap: unregister the other one first, or register exactly the memory "
+                f"you locked")
+        index.add(rec.start, rec.end, rec)
         size = rec.end - rec.start
         if rec.device:
             self._device_bytes += size
-            self._device_snap = None
         else:
             self._bytes_locked += size
             self._peak = max(self._peak, self._bytes_locked)
             if rec.kind == _ALLOCATED:
                 self._allocations += 1
                 self._bytes_allocated += size
-            self._host_snap = None
 
     def _remove(self, rec: _Range) -> None:
+        """Forget ``rec`` once (under the lock)."""
         if not rec.live:
             return
         rec.live = False
@@ -526,39 +422,16 @@ class PinnedRegistry:
                 del self._unlocked[rec.start]
             return
         index = self._device if rec.device else self._host
-        if not index.remove(rec):
+        if index.remove(rec.start, rec) is None:
             return
         size = rec.end - rec.start
         if rec.device:
             self._device_bytes -= size
-            self._device_snap = None
         else:
             self._bytes_locked -= size
             if rec.kind == _ALLOCATED:
                 self._allocations -= 1
                 self._bytes_allocated -= size
-            self._host_snap = None
-
-    def _snapshot(self, device: bool) -> _Snapshot:
-        with self._critical():
-            if device:
-                snap = self._device_snap
-                if snap is None:
-                    snap = self._device_snap = self._device.snapshot()
-            else:
-                snap = self._host_snap
-                if snap is None:
-                    snap = self._host_snap = self._host.snapshot()
-            return snap
-
-    def _contains(self, lo: int, hi: int, device: bool = False) -> bool:
-        """Whether the non-empty extent [lo, hi) lies inside one registered range."""
-        snap = self._device_snap if device else self._host_snap
-        if snap is None:
-            snap = self._snapshot(device)
-        starts, ends, _ = snap
-        i = bisect_right(starts, lo) - 1
-        return i >= 0 and hi <= ends[i]
 
     # ----------------------------------------------------------------------- queries
     def is_pinned(self, x: object) -> bool:
@@ -572,15 +445,16 @@ class PinnedRegistry:
         Returns
         -------
         bool
-            True iff the whole extent of ``x`` (see :func:`extent`: start and end, for strided
-            views the lowest to the highest byte touched) lies inside one registered host
+            True iff the whole extent of ``x`` (from the lowest to one past the highest byte
+            any element touches, for strided views too) lies inside one registered host
             range, or torch reports the CPU tensor pinned (``x.is_pinned()``, asked only when
             the registry says no). Ranges that merely touch do not join: an extent spanning
             two adjacent registrations is not pinned.
 
             - Objects holding no bytes (empty tensors, arrays and views, ``(address, 0)``)
               are never pinned: there is no memory to do I/O on, whatever the address.
-            - Meta, fake and functional tensors are never pinned (torch is not asked).
+            - Meta tensors and tensor subclasses that define ``__torch_dispatch__`` (fake,
+              functional and other wrapper tensors) are never pinned; torch is not asked.
             - CUDA tensors are True iff their extent lies in one device range registered
               with ``device=True`` (cuFile); host ranges never count for them.
             - Tensors on other devices and sparse tensors are False, except a sparse CPU
@@ -590,6 +464,8 @@ class PinnedRegistry:
         ------
         TypeError
             For objects that expose no memory.
+        ValueError
+            For a negative address or size in an (address, nbytes) pair.
 
         Notes
         -----
@@ -605,10 +481,7 @@ class PinnedRegistry:
             if type(t) is not tensor_type and not _has_memory(type(t)):
                 return False
             if t.is_cpu:
-                snap = self._host_snap
-                if snap is None:
-                    snap = self._snapshot(False)
-                starts, ends, _ = snap
+                host = self._host
                 try:
                     lo: int = t.data_ptr()
                     if t.is_contiguous():        # also every tensor without elements
@@ -617,18 +490,16 @@ class PinnedRegistry:
                         # A view lies inside its storage: when all of the storage is in one
                         # range, so is the view, and its strides need not be walked.
                         storage = t.untyped_storage()
-                        lo = storage.data_ptr()
-                        i = bisect_right(starts, lo) - 1
-                        if i >= 0 and lo + storage.nbytes() <= ends[i]:
+                        s_lo: int = storage.data_ptr()
+                        if host.contains(s_lo, s_lo + storage.nbytes()):
                             return True
                         size: int = t.element_size()
-                        lo, hi = _strided(t.data_ptr(), t.shape, t.stride(), size, size)
+                        lo, hi = _strided(lo, t.shape, t.stride(), size, size)
                 except (RuntimeError, NotImplementedError):   # sparse and other layouts
                     return self._torch_says_pinned(t)
                 if lo >= hi:
                     return False
-                i = bisect_right(starts, lo) - 1
-                if i >= 0 and hi <= ends[i]:
+                if host.contains(lo, hi):
                     return True
                 return bool(t.is_pinned())
             if t.is_cuda:
@@ -636,13 +507,13 @@ class PinnedRegistry:
                     lo, hi = _tensor_extent(t)
                 except (RuntimeError, NotImplementedError):
                     return False
-                return lo < hi and self._contains(lo, hi, device=True)
+                return self._device.contains(lo, hi)
             return False          # meta and other devices
         if type(x) is tuple:
             lo, hi = _address_pair(x)
         else:
             lo, hi = _buffer_extent(x)
-        return lo < hi and self._contains(lo, hi)
+        return self._host.contains(lo, hi)
 
     @staticmethod
     def _torch_says_pinned(t: Any) -> bool:
@@ -651,47 +522,46 @@ class PinnedRegistry:
         except (RuntimeError, NotImplementedError):
             return False
 
-    def is_device_registered(self, address: int, nbytes: int) -> bool:
-        """Whether device memory ``[address, address + nbytes)`` lies in one device range.
+    def find(self, address: int, nbytes: int, *, device: bool = False) -> tuple[int, int] | None:
+        """The registered range holding all of ``[address, address + nbytes)``.
 
         Parameters
         ----------
         address : int
-            Device address (``tensor.data_ptr()`` of a CUDA tensor).
+            First byte: a host address, or with ``device=True`` a device address.
         nbytes : int
-            Length in bytes; 0 gives False.
+            Length in bytes; 0 gives None.
+        device : bool
+            Look in the device index (ranges registered with ``device=True``).
 
         Returns
         -------
-        bool
-            True iff the whole range lies inside one range registered with ``device=True``.
+        tuple of int or None
+            ``(start, end)`` of the range, or None. cuFile wants I/O inside a registered
+            buffer issued against its ``start`` with an offset: :mod:`aioswap.gds` asks here.
         """
         lo, hi = _address_pair((address, nbytes))
-        return lo < hi and self._contains(lo, hi, device=True)
+        span = (self._device if device else self._host).find(lo, hi)
+        return None if span is None else (span.start, span.end)
 
     # ------------------------------------------------------------------- I/O holds
     def hold(self, address: int, nbytes: int) -> object | None:
         """Count an I/O request on memory from :meth:`allocate`/:meth:`empty`.
 
-        While a hold is out, :meth:`free` refuses that memory (BufferError), so memory the
-        kernel may still write is never unmapped. Returns a token for :meth:`unhold`, or
-        None when ``[address, address + nbytes)`` is not such memory (nothing to guard:
-        other memory stays alive through the request's reference to its owner).
+        While a hold is out, :meth:`free` refuses that memory (BufferError). Returns a token
+        for :meth:`unhold`, or None when ``[address, address + nbytes)`` is not such memory
+        (nothing to count: the request's reference to its buffer keeps any memory alive).
         """
         if nbytes <= 0:
             return None
-        snap = self._host_snap
-        if snap is None:
-            snap = self._snapshot(False)
-        starts, ends, recs = snap
-        i = bisect_right(starts, address) - 1
-        if i < 0 or address + nbytes > ends[i]:
+        span = self._host.find(address, address + nbytes)
+        if span is None:
             return None
-        rec = recs[i]
+        rec = span.value
         if rec.kind != _ALLOCATED:
             return None
         with self._io_lock:
-            if not rec.live or rec.freeing:
+            if not rec.live:
                 return None
             rec.io += 1
         return rec
@@ -702,17 +572,6 @@ class PinnedRegistry:
         with self._io_lock:
             token.io -= 1
 
-    def _begin_free(self, rec: _Range, what: str) -> None:
-        with self._io_lock:
-            if rec.io:
-                raise BufferError(f"cannot free {what}: {rec.io} I/O request(s) in flight use "
-                                  f"its memory; wait for them (handle.wait()) first")
-            rec.freeing = True
-
-    def _end_free(self, rec: _Range) -> None:
-        with self._io_lock:
-            rec.freeing = False
-
     def stats(self) -> PinnedStats:
         """Counters of the registry, read together under the lock.
 
@@ -722,9 +581,9 @@ class PinnedRegistry:
         """
         with self._critical():
             return PinnedStats(
-                ranges=len(self._host.starts), bytes_locked=self._bytes_locked,
+                ranges=len(self._host), bytes_locked=self._bytes_locked,
                 peak_bytes=self._peak, budget=self._budget, allocations=self._allocations,
-                bytes_allocated=self._bytes_allocated, device_ranges=len(self._device.starts),
+                bytes_allocated=self._bytes_allocated, device_ranges=len(self._device),
                 device_bytes=self._device_bytes, unlocked_fallbacks=self._fallbacks)
 
     def set_budget(self, nbytes: int | None) -> None:
@@ -736,9 +595,10 @@ class PinnedRegistry:
             An allocation that would bring ``bytes_locked`` (allocations and external host
             registrations together, whole pages) above this is refused:
             :class:`~aioswap.errors.PinnedMemoryError` when strict, unlocked memory with a
-            :class:`PinnedMemoryWarning` otherwise. None removes the limit. Setting it below
-            what is locked already frees nothing; it only refuses new allocations.
-            External registrations are never refused: their memory is locked already.
+            :class:`~aioswap.errors.PinnedMemoryWarning` otherwise. None removes the limit.
+            Setting it below what is locked already frees nothing; it only refuses new
+            allocations. External registrations are never refused: their memory is locked
+            already.
 
         Raises
         ------
@@ -764,7 +624,7 @@ class PinnedRegistry:
             When the memory cannot be locked (RLIMIT_MEMLOCK, budget), True raises and
             leaves nothing behind (no mapping, no range, no accounting); False ("try" mode)
             returns page-aligned *unlocked* memory that is not registered as pinned and
-            warns once per process with :class:`PinnedMemoryWarning`.
+            warns once per process with :class:`~aioswap.errors.PinnedMemoryWarning`.
 
         Returns
         -------
@@ -783,9 +643,9 @@ class PinnedRegistry:
 
         Notes
         -----
-        Lifetime: ``torch.frombuffer`` and ``numpy.frombuffer`` views keep the object alive;
-        the range is unregistered, unlocked and unmapped when the last of them (and the
-        object itself) is collected. See :meth:`free` to release it earlier.
+        Lifetime: the object owns the pages. ``torch.frombuffer`` and ``numpy.frombuffer``
+        views keep it alive; the range is unregistered, unlocked and unmapped when the last
+        of them (and the object itself) is collected.
         """
         return self._allocate(operator.index(nbytes), strict, 3)[0]
 
@@ -828,7 +688,7 @@ class PinnedRegistry:
                 self._insert(rec)
             except ValueError as exc:
                 # A stale external registration covers memory the kernel just gave us: that
-                # registration outlived its memory.
+                # registration outlived its memory. Nothing else has seen `mem` yet.
                 mem.release()
                 raise PinnedMemoryError(f"fresh locked memory is already registered: {exc}"
                                         ) from None
@@ -872,10 +732,11 @@ class PinnedRegistry:
         Returns
         -------
         torch.Tensor
-            Contiguous, page-aligned, not a view of another tensor; its storage keeps the
-            memory alive (through a buffer export), so the memory is freed when the tensor
-            and every view of it are collected, or by :meth:`free`. A tensor with no
-            elements still owns one page, but is never reported pinned.
+            Contiguous, page-aligned, not a view of another tensor. Its storage owns the
+            memory through a buffer export of the :class:`~aioswap._aio.LockedMemory`, so
+            the memory lives exactly as long as the storage: it is freed when the tensor and
+            every view and alias of it (slices, ``.numpy()``, DLPack) are collected. A tensor
+            with no elements still owns one page, but is never reported pinned.
 
         Raises
         ------
@@ -890,188 +751,84 @@ class PinnedRegistry:
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         shape = _shape_of(shape_or_numel)
         nbytes = math.prod(shape) * dtype.itemsize
-        mem, rec = self._allocate(max(nbytes, 1), strict, 3)
-        # Through a memoryview the storage holds a buffer export on the memory, so that
-        # LockedMemory.release() (and free(mem)) refuses while any such tensor lives;
-        # torch.frombuffer on the object itself would hold only a reference.
-        view = memoryview(mem)
-        raw = torch.frombuffer(view, dtype=torch.uint8)
-        del view
-        # set_ rather than .view(): a view would pin `raw` as its _base, and free() wants
-        # one tensor to be the storage's only user.
+        mem, _ = self._allocate(max(nbytes, 1), strict, 3)
+        # Through a memoryview the storage holds a buffer export on the memory (so
+        # LockedMemory.release() refuses while the storage lives); torch.frombuffer on the
+        # object itself would hold only a reference.
+        raw = torch.frombuffer(memoryview(mem), dtype=torch.uint8)
+        # set_ rather than .view(): the result is a base tensor, not a view of `raw`.
         strides = [1] * len(shape)
         for i in range(len(shape) - 1, 0, -1):
             strides[i - 1] = strides[i] * max(shape[i], 1)
-        t = torch.empty(0, dtype=dtype).set_(raw.untyped_storage(), 0, shape, strides)
-        del raw
-        rec.baseline = sys.getrefcount(mem)
-        return t
-
-    def empty_numpy(self, shape_or_numel: ShapeLike, dtype: npt.DTypeLike, *,
-                    strict: bool = True) -> numpy.ndarray[Any, Any]:
-        """An uninitialised numpy array over freshly allocated locked memory.
-
-        Parameters
-        ----------
-        shape_or_numel : int or sequence of int
-            Number of elements, or the shape.
-        dtype : numpy dtype-like
-            Any fixed-size numpy dtype.
-        strict : bool
-            As for :meth:`allocate`.
-
-        Returns
-        -------
-        numpy.ndarray
-            C-contiguous, page-aligned, writable. The memory is freed when the array and
-            every view of it are collected; :meth:`free` refuses arrays (they cannot be
-            detached from their memory).
-
-        Raises
-        ------
-        PinnedMemoryError, ValueError
-            As for :meth:`allocate`.
-        """
-        import numpy as np
-
-        dt = np.dtype(dtype)
-        if dt.itemsize == 0:
-            raise TypeError(f"dtype {dt} has no fixed size")
-        shape = _shape_of(shape_or_numel)
-        nbytes = math.prod(shape) * dt.itemsize
-        mem, _ = self._allocate(max(nbytes, 1), strict, 3)
-        raw: Any = np.frombuffer(memoryview(mem), dtype=np.uint8, count=nbytes)
-        arr: numpy.ndarray[Any, Any] = raw.view(dt).reshape(shape)
-        return arr
+        return torch.empty(0, dtype=dtype).set_(raw.untyped_storage(), 0, shape, strides)
 
     def free(self, obj: object) -> None:
-        """Release memory from :meth:`allocate` or :meth:`empty` now.
+        """Say that the caller is done with memory from :meth:`allocate` or :meth:`empty`.
 
-        ``free`` refuses, with :class:`BufferError`, while anything else still views the
-        memory, and otherwise unregisters, unlocks and unmaps it before it returns. It never
-        leaves a live object pointing at unmapped memory. It is never required: memory is
-        released anyway when its last view is collected.
+        The memory is released (unregistered, unlocked, unmapped) when its
+        :class:`~aioswap._aio.LockedMemory` is deallocated: at once when the caller drops
+        its last reference to ``obj`` and nothing else views the memory, else with the last
+        view. ``free`` never releases memory itself and never changes ``obj``, so no live
+        tensor, array or capsule can be left pointing at unmapped pages, whatever holds it.
+        It refuses while I/O requests use the memory, so that memory the kernel may still
+        write is not handed back by mistake. Calling it is never required.
 
         Parameters
         ----------
         obj : torch.Tensor or aioswap._aio.LockedMemory
-            - A tensor from :meth:`empty`: refused while other tensors share its storage
-              (views, slices, ``.numpy()`` and DLPack aliases; for a view, its base, which
-              autograd keeps alive as ``view._base``) or it is referenced from C++
-              (autograd graph, DLPack capsule). Otherwise the
-              tensor is detached from the memory first (``set_()``: it becomes an empty
-              tensor of the same dtype, everywhere it is referenced), then the memory goes.
-            - A :class:`~aioswap._aio.LockedMemory` from :meth:`allocate`: refused while
-              buffer exports are open (numpy arrays, memoryviews, tensors from :meth:`empty`)
-              or while it is referenced from more than one place besides this call (tensors
-              from ``torch.frombuffer(mem)`` hold such a reference). It is closed afterwards
-              (``mem.closed``; new views raise ``BufferError``). Freeing a closed one is a
-              no-op.
+            A tensor over memory from :meth:`empty` (or any view of it), or a LockedMemory
+            from :meth:`allocate`. A released LockedMemory is accepted (nothing to do).
 
         Raises
         ------
         BufferError
-            While other views are alive; nothing is changed then.
+            While I/O requests hold the memory (:meth:`hold`): wait for them first.
         TypeError
-            For numpy arrays (they cannot be detached from their memory: drop them, and
-            the memory goes with the last one) and other objects.
+            For numpy arrays and other objects.
         ValueError
             For memory that this registry did not allocate.
-
-        Notes
-        -----
-        The checks use CPython reference counts and torch's use counts. One case cannot be
-        told apart: a LockedMemory passed as the *only* reference (``free(pool.pop())``)
-        while one ``torch.frombuffer(mem)`` tensor is alive looks like the caller's own
-        reference. Make tensors over a LockedMemory with ``torch.frombuffer(memoryview(mem))``
-        (a buffer export, always detected) or use :meth:`empty`.
         """
         if isinstance(obj, LockedMemory):
-            probe = object()
-            # References held outside this call: the caller's, plus any other holder.
-            others = sys.getrefcount(obj) - sys.getrefcount(probe)
             if obj.closed:
                 return
             rec = self._record_of(obj.address)
             if rec is None or rec.ref is None or rec.ref() is not obj:
                 raise ValueError(f"{obj!r} was not allocated by aioswap.pinned")
-            if others > 1:
-                raise BufferError(
-                    f"cannot free {obj!r}: it is still referenced from {others - 1} other "
-                    f"place(s) besides the caller (views: memoryviews, numpy arrays, tensors "
-                    f"from torch.frombuffer; or containers); drop them first, or just drop "
-                    f"every reference and the memory is freed when it is collected")
-            self._begin_free(rec, repr(obj))
-            with self._critical():
-                try:
-                    obj.release()
-                except BufferError as exc:
-                    self._end_free(rec)
-                    raise BufferError(f"cannot free {obj!r}: views of it are alive ({exc}); "
-                                      f"drop them first, or just drop every reference and "
-                                      f"the memory is freed when it is collected") from None
-                self._forget(rec)
+            self._check_idle(rec, repr(obj))
             return
         tensor_type = _tensor_type()
         if tensor_type is not None and isinstance(obj, tensor_type):
-            self._free_tensor(obj)
+            import torch
+
+            t: Any = obj
+            if not _has_memory(type(t)) or not t.is_cpu or t.layout != torch.strided:
+                raise ValueError("free() takes a CPU tensor from pinned.empty()")
+            rec = self._record_of(t.untyped_storage().data_ptr())
+            if rec is None:
+                raise ValueError("this tensor's memory was not allocated by pinned.empty()")
+            self._check_idle(rec, "the tensor")
             return
         numpy_mod = sys.modules.get("numpy")
         if numpy_mod is not None and isinstance(obj, numpy_mod.ndarray):
-            raise TypeError("free() cannot release a numpy array: arrays cannot be detached "
-                            "from their memory, so it would be left pointing at unmapped "
-                            "pages. Drop every reference to the array and its views; the "
-                            "memory is released when the last one is collected")
+            raise TypeError("free() takes a tensor from pinned.empty() or a LockedMemory from "
+                            "pinned.allocate(), not a numpy array: drop every reference to "
+                            "the array and its views, and the memory goes with the last one")
         raise TypeError(f"free() takes a tensor from pinned.empty() or a LockedMemory from "
                         f"pinned.allocate(), not {type(obj).__name__}")
 
     def _record_of(self, address: int) -> _Range | None:
+        """The allocation (locked or not) whose memory holds ``address``."""
+        span = self._host.find(address, address + 1)
+        if span is not None and span.value.kind == _ALLOCATED:
+            return span.value
         with self._critical():
-            rec = self._host.containing(address)
-            if rec is None or rec.kind != _ALLOCATED:
-                rec = self._unlocked.get(address)
-            return rec
+            return self._unlocked.get(address)
 
-    def _forget(self, rec: _Range) -> None:
-        """Drop an allocation whose memory free() releases (under the lock)."""
-        if rec.finalizer is not None:
-            rec.finalizer.detach()
-        self._remove(rec)
-
-    def _free_tensor(self, t: Any) -> None:
-        import torch
-
-        if not t.is_cpu or t.layout != torch.strided or not _has_memory(type(t)):
-            raise ValueError("free() takes a CPU tensor from pinned.empty()")
-        storage = t.untyped_storage()
-        rec = self._record_of(storage.data_ptr())
-        mem = rec.ref() if rec is not None and rec.ref is not None else None
-        if rec is None or mem is None or rec.baseline is None:
-            raise ValueError("this tensor's memory was not allocated by pinned.empty()")
-        storage_users = getattr(torch._C, "_storage_Use_Count", None)
-        impl_users = getattr(t, "_use_count", None)
-        if storage_users is None or impl_users is None:
-            raise BufferError("this torch does not report use counts, so free() cannot prove "
-                              "the tensor is the memory's only view; drop every reference "
-                              "instead and the memory is freed when it is collected")
-        sharing: int = storage_users(storage._cdata) - 2       # minus t and `storage`
-        del storage
-        if sharing > 0:
-            raise BufferError(f"cannot free the tensor: {sharing} other tensor(s) share its "
-                              f"memory (views, slices, .numpy() or DLPack aliases); drop them "
-                              f"first, or drop every reference and the memory is freed when "
-                              f"the last one is collected")
-        if impl_users() > 1:
-            raise BufferError("cannot free the tensor: it is referenced from C++ (autograd "
-                              "graph, DLPack capsule...); drop those references first")
-        if sys.getrefcount(mem) != rec.baseline:
-            raise BufferError("cannot free the tensor: other objects view its memory")
-        self._begin_free(rec, "the tensor")
-        with self._critical():
-            with torch.no_grad():
-                t.set_()        # the storage dies here, and with it the buffer export
-            self._forget(rec)
-            mem.release()
+    def _check_idle(self, rec: _Range, what: str) -> None:
+        with self._io_lock:
+            if rec.io:
+                raise BufferError(f"cannot free {what}: {rec.io} I/O request(s) in flight use "
+                                  f"its memory; wait for them (handle.wait()) first")
 
     # ----------------------------------------------------------------- registration
     def register(self, address: int, nbytes: int, *, device: bool = False,
@@ -1131,19 +888,19 @@ class PinnedRegistry:
         ------
         ValueError
             When no registered range starts there, or the range belongs to an allocation
-            (it is removed when that memory is freed).
+            (it is removed when that memory is collected).
         """
         address = operator.index(address)
         with self._critical():
-            rec = (self._device if device else self._host).at(address)
-            if rec is None:
+            span = (self._device if device else self._host).at(address)
+            if span is None:
                 kind = "device" if device else "host"
                 raise ValueError(f"no {kind} range is registered at {address:#x}")
-            if rec.kind == _ALLOCATED:
+            if span.value.kind == _ALLOCATED:
                 raise ValueError(f"the range at {address:#x} belongs to memory from "
                                  f"pinned.allocate(); it is unregistered when that memory is "
-                                 f"freed or collected")
-            self._remove(rec)
+                                 f"collected")
+            self._remove(span.value)
 
     def _unregister_record(self, rec: _Range) -> None:
         with self._critical():
@@ -1154,10 +911,8 @@ registry: PinnedRegistry = PinnedRegistry()
 """The process-wide registry; the module functions below are its bound methods."""
 
 is_pinned = registry.is_pinned
-is_device_registered = registry.is_device_registered
 allocate = registry.allocate
 empty = registry.empty
-empty_numpy = registry.empty_numpy
 free = registry.free
 register = registry.register
 unregister = registry.unregister

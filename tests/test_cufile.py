@@ -1,4 +1,4 @@
-"""aioswap._cufile: the dlopen loader, error mapping, device ranges and cuFile I/O.
+"""aioswap._cufile and its policy (_cufile_load): loader, environment, errors, cuFile I/O.
 
 Without CUDA the real library is replaced by a fake libcufile built here with gcc: it exports
 the cufile.h entry points with their real signatures and serves them with pread/pwrite on host
@@ -29,8 +29,9 @@ import numpy as np
 import pytest
 
 import aioswap
-from aioswap import _cufile
-from aioswap._cufile import CuFileHandle, DeviceRangeRegistry, Driver
+from aioswap import _cufile, pinned
+from aioswap import _cufile_load as policy
+from aioswap._cufile import CuFileHandle, Driver
 from aioswap.errors import (CuFileError, CuFileUnavailable, DirectIOUnsupportedError,
                             HandleClosedError, ShortReadError)
 
@@ -432,6 +433,73 @@ def test_cufile_log_goes_to_private_dir(fake: Fake, tmp_path: Path,
 
 
 # ---------------------------------------------------------------------------------------------
+# Policy (aioswap._cufile_load, pure Python)
+
+
+def test_policy_search_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert policy.search("~/lib/libcufile.so.0") == policy.Search(
+        (str(tmp_path / "lib" / "libcufile.so.0"),), "explicit")
+    assert policy.search("libcufile.so.0").candidates == ("libcufile.so.0",)   # the loader's
+    monkeypatch.setenv(policy.LIB_ENV, "~/x.so")
+    assert policy.search() == policy.Search((str(tmp_path / "x.so"),), "env")
+    monkeypatch.delenv(policy.LIB_ENV)
+    wheel = tmp_path / "site" / "nvidia" / "cu13" / "lib" / "libcufile.so.0"
+    wheel.parent.mkdir(parents=True)
+    wheel.write_bytes(b"")
+    toolkit = tmp_path / "cuda" / "lib64" / "libcufile.so.0"
+    toolkit.parent.mkdir(parents=True)
+    toolkit.write_bytes(b"")
+    monkeypatch.setattr(sys, "path", ["", str(tmp_path / "site")])
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
+    for var in ("CUDA_PATH", "CONDA_PREFIX"):
+        monkeypatch.delenv(var, raising=False)
+    found = policy.search()
+    assert found.origin == "search"
+    assert found.candidates[:3] == policy.SONAMES + (str(wheel),)
+    assert found.candidates[3] == str(toolkit)
+    assert policy.conflicts(None, "/a/libcufile.so.0") is None
+    assert policy.conflicts("libcufile.so.0", "/a/libcufile.so.0") is None     # a bare name
+    assert "already loaded from /a/libcufile.so.0" in str(
+        policy.conflicts("/b/libcufile.so.0", "/a/libcufile.so.0"))
+
+
+def test_policy_messages() -> None:
+    msg = policy.unavailable_message(["a: nope", "b: nope"], "search")
+    assert "Tried: a: nope; b: nope; no nvidia/*/lib/libcufile.so* in any sys.path" in msg
+    assert "pip install nvidia-cufile-cu12" in msg
+    assert policy.unavailable_message(["x"], "explicit").endswith("cannot load libcufile: x")
+    assert "driver does not open (why)" in policy.driver_unavailable_message("why")
+
+
+def test_policy_environment_restores_and_cleans_up(monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    env = policy.CuFileEnvironment()
+    monkeypatch.setenv(policy.CONFIG_ENV, "users.json")
+    cfg = {"logging": {"level": "ERROR"}}
+    env.apply_config(cfg)
+    written = os.environ[policy.CONFIG_ENV]
+    assert json.loads(Path(written).read_text()) == cfg
+    assert stat.S_IMODE(os.stat(written).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(written)).st_mode) == 0o700
+    env.check_config(dict(cfg))                 # the same config joins
+    with pytest.raises(ValueError, match="another config"):
+        env.check_config({"logging": {"level": "DEBUG"}})
+    env.forget_config()
+    assert os.environ[policy.CONFIG_ENV] == "users.json" and not os.path.exists(written)
+    monkeypatch.delenv(policy.CONFIG_ENV)
+    assert env.point_log()
+    log = os.environ[policy.LOG_ENV]
+    assert os.path.dirname(log) == os.path.dirname(written)
+    env.unpoint_log()
+    assert policy.LOG_ENV not in os.environ and not os.path.exists(os.path.dirname(log))
+    monkeypatch.setenv(policy.LOG_ENV, str(tmp_path / "mine.log"))
+    assert not env.point_log()                  # the user's choice stands
+    with pytest.raises(FileNotFoundError):
+        env.apply_config(tmp_path / "missing.json")
+
+
+# ---------------------------------------------------------------------------------------------
 # Error mapping
 
 
@@ -500,74 +568,6 @@ def test_status_error() -> None:
                         "current GPU")
     exc = _cufile._status_error(5011, 100, "cuFileDriverOpen")
     assert exc.cu_err == 100 and "CUresult 100 CUDA_ERROR_NO_DEVICE" in str(exc)
-
-
-# ---------------------------------------------------------------------------------------------
-# Device range registry
-
-
-def test_device_ranges_find_and_remove() -> None:
-    reg = DeviceRangeRegistry()
-    owner = object()
-    reg.add(0x10000, 0x1000, owner)
-    reg.add(0x30000, 0x2000)
-    reg.add(0x11000, 0x1000)                    # adjacent, not overlapping
-    assert reg.ranges() == [(0x10000, 0x11000), (0x11000, 0x12000), (0x30000, 0x32000)]
-    assert len(reg) == 3
-    assert reg.find(0x10000, 0x1000) == (0x10000, 0x11000)
-    assert reg.find(0x10800, 0x800) == (0x10000, 0x11000)
-    assert reg.find(0x10800, 0x801) is None     # runs past the end (into another range)
-    assert reg.find(0x0ffff, 2) is None         # starts before
-    assert reg.find(0x31fff, 1) == (0x30000, 0x32000)
-    assert reg.find(0x32000, 0) is None
-    assert 0x30000 in reg and 0x32000 not in reg and 0x20000 not in reg
-    assert reg.owner(0x10000) is owner
-    assert reg.overlapping(0x10fff, 0x1002) == [(0x10000, 0x11000), (0x11000, 0x12000)]
-    assert reg.overlapping(0x12000, 0x1e000) == []
-    assert reg.remove(0x11000) == 0x1000
-    assert reg.find(0x11000, 1) is None
-    with pytest.raises(ValueError, match="no registered device range starts at 0x10800"):
-        reg.remove(0x10800)
-    with pytest.raises(ValueError):
-        reg.owner(0x11000)
-
-
-@pytest.mark.parametrize(("ptr", "nbytes"), [
-    (0x10000, 0x1000), (0x0f000, 0x1001), (0x10fff, 1), (0x0, 0x100000), (0x10800, 0x10),
-])
-def test_device_ranges_refuse_overlap(ptr: int, nbytes: int) -> None:
-    reg = DeviceRangeRegistry()
-    reg.add(0x10000, 0x1000)
-    with pytest.raises(ValueError, match=r"overlaps the registered range \[0x10000, 0x11000\)"):
-        reg.add(ptr or 0x1, nbytes)
-    assert reg.ranges() == [(0x10000, 0x11000)]
-
-
-@pytest.mark.parametrize(("ptr", "nbytes"), [(0, 16), (-4096, 16), (4096, 0), (4096, -1)])
-def test_device_ranges_refuse_bad_input(ptr: int, nbytes: int) -> None:
-    with pytest.raises(ValueError):
-        DeviceRangeRegistry().add(ptr, nbytes)
-
-
-def test_device_ranges_concurrent_writers() -> None:
-    reg = DeviceRangeRegistry()
-
-    def work(k: int) -> None:
-        for i in range(200):
-            base = (k * 1000 + i + 1) * 0x1000
-            reg.add(base, 0x1000)
-            assert reg.find(base + 8, 8) == (base, base + 0x1000)
-            if i % 2:
-                reg.remove(base)
-
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    rs = reg.ranges()
-    assert len(rs) == 400
-    assert all(a[1] <= b[0] for a, b in zip(rs, rs[1:]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -940,34 +940,68 @@ def test_unclosed_handle_warns_and_deregisters(fake: Fake, tmp_path: Path) -> No
 # Buffer registration (fake libcufile)
 
 
-def test_buf_register_and_interior_io(fake: Fake, tmp_path: Path) -> None:
+def test_buf_register_is_only_the_c_call(fake: Fake, tmp_path: Path) -> None:
     data = os.urandom(8192)
     path = _file(tmp_path / "f.bin", data)
     mem = np.zeros(16384, np.uint8)
     base = mem.ctypes.data
-    _cufile.buf_register(base, 16384, owner=mem)
+    _cufile.buf_register(base, 16384)
     try:
         assert fake["buf_register_calls"] == 1 and _cufile.driver_users() == 1
-        assert _cufile.registered_range(base + 100, 200) == (base, base + 16384)
-        assert _cufile.registered_range(base + 16000, 1000) is None
+        assert _cufile._state()["buffers"] == 1
         with CuFileHandle(path, direct=False) as h:
-            assert h.read(base + 1000, 4096, 100, buf_offset=24) == 4096
-            # issued against the registered base with the offset, as cuFile requires
+            # (base, offset) reach cuFile as given: the caller translates interior addresses
+            assert h.read(base, 4096, 100, buf_offset=1024) == 4096
             assert fake["last_base"] == base and fake["last_buf_offset"] == 1024
             assert mem[1024:1024 + 4096].tobytes() == data[100:4196]
-            other = np.zeros(64, np.uint8)      # not registered: passed through as is
-            h.read(other.ctypes.data, 64, 0, 8)
-            assert fake["last_base"] == other.ctypes.data and fake["last_buf_offset"] == 8
-        with pytest.raises(ValueError, match="overlaps the registered range"):
-            _cufile.buf_register(base + 4096, 100)
-        assert fake["buf_register_calls"] == 1
-        with pytest.raises(ValueError, match="no registered device range starts at"):
+        # nothing is recorded here: cuFile itself refuses a base registered twice
+        with pytest.raises(CuFileError, match="CU_FILE_MEMORY_ALREADY_REGISTERED"):
+            _cufile.buf_register(base, 100)
+        assert _cufile.driver_users() == 1 and _cufile._state()["buffers"] == 1
+        with pytest.raises(CuFileError, match="CU_FILE_MEMORY_NOT_REGISTERED"):
             _cufile.buf_deregister(base + 4096)
+        assert _cufile.driver_users() == 1 and _cufile._state()["buffers"] == 1
     finally:
         _cufile.buf_deregister(base)
-    assert fake["buf_deregister_calls"] == 1 and fake["bufs_open"] == 0
+    assert fake["bufs_open"] == 0 and _cufile._state()["buffers"] == 0
     assert _cufile.driver_users() == 0 and fake["driver_is_open"] == 0
-    assert _cufile.registered_range(base, 1) is None
+    calls = fake["buf_deregister_calls"]
+    with pytest.raises(ValueError, match="no device memory is registered"):
+        _cufile.buf_deregister(base)            # refused before any C call
+    assert fake["buf_deregister_calls"] == calls
+    assert not hasattr(_cufile, "registered_range")
+    assert not hasattr(_cufile, "DeviceRangeRegistry")
+
+
+def test_gds_transport_uses_the_registry_device_index(fake: Fake, tmp_path: Path) -> None:
+    """The one record of registered device ranges is aioswap.pinned's device index."""
+    from aioswap.gds import _CuFileTransport
+    data = os.urandom(8192)
+    path = _file(tmp_path / "f.bin", data)
+    mem = np.zeros(16384, np.uint8)                 # the fake serves host memory
+    base = mem.ctypes.data
+    other = np.zeros(64, np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pinned.register(base, 16384, device=True, owner=mem):
+            assert pinned.registry.find(base + 1000, 4096, device=True) == (base, base + 16384)
+            assert pinned.registry.find(base + 1000, 4096) is None      # not a host range
+            _cufile.buf_register(base, 16384)
+            try:
+                moved = _CuFileTransport().transfer(False, base + 1000, 4096, fd, 100)
+                assert moved == (4096, "direct")
+                assert fake["last_base"] == base and fake["last_buf_offset"] == 1000
+                assert mem[1000:5096].tobytes() == data[100:4196]
+                moved = _CuFileTransport().transfer(False, other.ctypes.data, 64, fd, 0)
+                assert moved == (64, "bounce")
+                assert fake["last_base"] == other.ctypes.data
+                assert fake["last_buf_offset"] == 0
+                assert other.tobytes() == data[:64]
+            finally:
+                _cufile.buf_deregister(base)
+        assert pinned.registry.find(base, 1, device=True) is None
+    finally:
+        os.close(fd)
 
 
 def test_buf_register_flags_and_errors(fake: Fake) -> None:
@@ -979,7 +1013,7 @@ def test_buf_register_flags_and_errors(fake: Fake) -> None:
     with pytest.raises(CuFileError, match="CU_FILE_GPU_MEMORY_PINNING_FAILED") as info:
         _cufile.buf_register(mem.ctypes.data, 4096)
     assert info.value.errno == 5036
-    assert _cufile.registered_range(mem.ctypes.data) is None
+    assert _cufile._state()["buffers"] == 0
     assert _cufile.driver_users() == 0
     for ptr, n in ((0, 4096), (mem.ctypes.data, 0)):
         with pytest.raises(ValueError):
@@ -992,7 +1026,7 @@ def test_buf_deregister_failure_keeps_registration(fake: Fake) -> None:
     fake["buf_deregister_error"] = 5027
     with pytest.raises(CuFileError, match="cuFileBufDeregister.*CU_FILE_HANDLE_NOT_REG"):
         _cufile.buf_deregister(mem.ctypes.data)
-    assert _cufile.registered_range(mem.ctypes.data) is not None
+    assert _cufile._state()["buffers"] == 1
     assert _cufile.driver_users() == 1
     fake["buf_deregister_error"] = 0
     _cufile.buf_deregister(mem.ctypes.data)
@@ -1064,17 +1098,17 @@ def test_gpu_roundtrip(gpu_cufile: Any, tmp_dir: Path, register: bool) -> None:
     torch.cuda.synchronize()
     path = tmp_dir / "gds.bin"
     if register:
-        _cufile.buf_register(src.data_ptr(), n, owner=src)
-        _cufile.buf_register(dst.data_ptr(), n, owner=dst)
+        _cufile.buf_register(src.data_ptr(), n)
+        _cufile.buf_register(dst.data_ptr(), n)
     try:
         with _gpu_file(path, write=True, create=True, truncate=True) as h:
             assert h.write(src.data_ptr(), n, 0) == n
             assert h.read(dst.data_ptr(), n, 0) == n
             assert torch.equal(src, dst)
-            # an interior piece: issued as (registered base, offset) when registered
+            # an interior piece, as cuFile wants it for registered memory: (base, offset)
             dst.zero_()
             torch.cuda.synchronize()
-            assert h.read(dst.data_ptr() + 4096, n - 8192, 4096) == n - 8192
+            assert h.read(dst.data_ptr(), n - 8192, 4096, buf_offset=4096) == n - 8192
     finally:
         if register:
             _cufile.buf_deregister(src.data_ptr())

@@ -1,0 +1,167 @@
+"""RangeIndex: sorted, non-overlapping address ranges ``[start, end)``, each with a value.
+
+The one interval index of aioswap: :mod:`aioswap.pinned` keeps one for locked host memory and
+one for device memory registered with cuFile. Lookups are asked before every I/O request, so
+they take no lock: they bisect an immutable snapshot. Changes go to mutable lists under a
+lock and drop the snapshot; the first lookup after a change rebuilds it once, so n changes
+followed by lookups cost O(n) in all rather than O(n) each.
+
+Ranges never join: two adjacent ranges stay two, and a span crossing from one into the other
+lies in neither.
+"""
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any, Generic, NamedTuple, TypeVar
+
+__all__ = ["RangeIndex", "Span"]
+
+V = TypeVar("V")
+
+
+class Span(NamedTuple, Generic[V]):
+    """One range of a :class:`RangeIndex` and its value."""
+
+    start: int
+    end: int
+    value: V
+
+
+class _Snapshot(NamedTuple, Generic[V]):
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+    values: tuple[V, ...]
+
+
+class RangeIndex(Generic[V]):
+    """Sorted, non-overlapping ranges ``[start, end)`` with a value each.
+
+    Parameters
+    ----------
+    guard : callable returning a context manager, optional
+        What :meth:`add`, :meth:`remove` and snapshot rebuilds run under. The default is a
+        lock of the index's own; an owner with a lock of its own passes it (reentrant), so
+        that its other state changes together with the index.
+
+    Notes
+    -----
+    Thread safety: writers are serialised by ``guard``; readers never take it except to
+    rebuild the snapshot after a change. A reader sees the index as it was before or after
+    each change, never half of one.
+    """
+
+    __slots__ = ("_ends", "_guard", "_snap", "_starts", "_values")
+
+    def __init__(self, guard: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
+        if guard is None:
+            lock = threading.RLock()
+            guard = lambda: lock        # noqa: E731  (a factory of the one lock)
+        self._guard = guard
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._values: list[V] = []
+        self._snap: _Snapshot[V] | None = _Snapshot((), (), ())
+
+    # ----------------------------------------------------------------------- changes
+    def add(self, start: int, end: int, value: V) -> None:
+        """Insert ``[start, end)`` with ``value``.
+
+        Raises
+        ------
+        ValueError
+            When ``end <= start``, or the range overlaps one in the index (the message names
+            it). Touching is not overlapping.
+        """
+        if end <= start:
+            raise ValueError(f"empty or reversed range [{start:#x}, {end:#x})")
+        with self._guard():
+            other = self._overlap(start, end)
+            if other is not None:
+                raise ValueError(f"range [{start:#x}, {end:#x}) overlaps the registered range "
+                                 f"[{other.start:#x}, {other.end:#x})")
+            i = bisect_left(self._starts, start)
+            self._starts.insert(i, start)
+            self._ends.insert(i, end)
+            self._values.insert(i, value)
+            self._snap = None
+
+    def remove(self, start: int, value: object = None) -> Span[V] | None:
+        """Remove the range starting at ``start`` and return it; None when there is none.
+
+        With ``value``, remove it only when it holds that very object (``is``), so that a
+        stale owner never removes a newer range at the same address.
+        """
+        with self._guard():
+            i = bisect_left(self._starts, start)
+            if i == len(self._starts) or self._starts[i] != start:
+                return None
+            if value is not None and self._values[i] is not value:
+                return None
+            span = Span(start, self._ends[i], self._values[i])
+            del self._starts[i], self._ends[i], self._values[i]
+            self._snap = None
+            return span
+
+    # ----------------------------------------------------------------------- lookups
+    def _snapshot(self) -> _Snapshot[V]:
+        snap = self._snap
+        if snap is None:
+            with self._guard():
+                snap = self._snap
+                if snap is None:
+                    snap = self._snap = _Snapshot(tuple(self._starts), tuple(self._ends),
+                                                  tuple(self._values))
+        return snap
+
+    def contains(self, lo: int, hi: int) -> bool:
+        """Whether the non-empty span ``[lo, hi)`` lies inside one range (False if empty)."""
+        starts, ends, _ = self._snapshot()
+        i = bisect_right(starts, lo) - 1
+        return lo < hi and i >= 0 and hi <= ends[i]
+
+    def find(self, lo: int, hi: int) -> Span[V] | None:
+        """The range holding all of the non-empty span ``[lo, hi)``, or None."""
+        starts, ends, values = self._snapshot()
+        i = bisect_right(starts, lo) - 1
+        if lo < hi and i >= 0 and hi <= ends[i]:
+            return Span(starts[i], ends[i], values[i])
+        return None
+
+    def at(self, start: int) -> Span[V] | None:
+        """The range starting exactly at ``start``, or None."""
+        starts, ends, values = self._snapshot()
+        i = bisect_left(starts, start)
+        if i < len(starts) and starts[i] == start:
+            return Span(start, ends[i], values[i])
+        return None
+
+    def overlap(self, lo: int, hi: int) -> Span[V] | None:
+        """The lowest range overlapping ``[lo, hi)``, or None."""
+        with self._guard():
+            return self._overlap(lo, hi)
+
+    def _overlap(self, lo: int, hi: int) -> Span[V] | None:
+        starts, ends = self._starts, self._ends
+        i = bisect_right(starts, lo) - 1
+        if i >= 0 and ends[i] > lo:
+            return Span(starts[i], ends[i], self._values[i])
+        if i + 1 < len(starts) and starts[i + 1] < hi:
+            return Span(starts[i + 1], ends[i + 1], self._values[i + 1])
+        return None
+
+    def spans(self) -> list[Span[V]]:
+        """Every range, in address order."""
+        return list(self)
+
+    def __iter__(self) -> Iterator[Span[V]]:
+        starts, ends, values = self._snapshot()
+        return map(Span, starts, ends, values)
+
+    def __len__(self) -> int:
+        return len(self._snapshot().starts)
+
+    def __repr__(self) -> str:
+        return f"<aioswap._ranges.RangeIndex {len(self)} ranges>"
