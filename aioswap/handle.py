@@ -120,6 +120,18 @@ class _Request:
         return "write" if self.write else "read"
 
 
+class _Queued:
+    """A one-slice request in a lane's queue: what finishing it needs."""
+
+    __slots__ = ("hold", "lane", "req", "rid")
+
+    def __init__(self, req: _Request, lane: _Lane, rid: int, hold: object | None) -> None:
+        self.req = req
+        self.lane = lane
+        self.rid = rid
+        self.hold = hold
+
+
 class DeviceTransport:
     """What moves contiguous device memory for a handle (the seam ``GdsHandle`` uses).
 
@@ -481,24 +493,72 @@ class AioHandle:
 
     def _many(self, write: bool, requests: Iterable[Sequence[Any]],
               async_op: bool) -> list[int] | list[IOFuture]:
-        futs: list[IOFuture] = []
+        if async_op:
+            futs: list[IOFuture] = []
+            try:
+                for item in requests:
+                    buf, file, *rest = item
+                    fut = self._request(write, buf, file, rest[0] if rest else 0, None, True,
+                                        False)
+                    assert isinstance(fut, IOFuture)
+                    futs.append(fut)
+            except BaseException:
+                concurrent.futures.wait(futs)
+                self._forget(futs)
+                raise
+            return futs
+        # sync: every request is queued before the first is waited for; no futures, no
+        # completion thread (each is reaped by this thread)
+        queued: list[_Queued | _Request] = []
         try:
             for item in requests:
                 buf, file, *rest = item
-                off = rest[0] if rest else 0
-                fut = self._request(write, buf, file, off, None, True, False)
-                assert isinstance(fut, IOFuture)
-                futs.append(fut)
+                req = self._prepare(write, buf, file, rest[0] if rest else 0, None, False)
+                if self._is_one(req):
+                    try:
+                        queued.append(self._queue_one(req, True, None))
+                    except BaseException:
+                        self._release(req)
+                        raise
+                else:
+                    queued.append(req)          # runs in turn below
         except BaseException:
-            concurrent.futures.wait(futs)
-            self._forget(futs)
+            self._abandon(queued)
             raise
-        if async_op:
-            return futs
-        concurrent.futures.wait(futs)
-        self._forget(futs)
-        _raise_first(futs)
-        return [f.result() for f in futs]
+        out: list[int] = []
+        first: BaseException | None = None
+        for i, q in enumerate(queued):
+            req = q.req if isinstance(q, _Queued) else q
+            try:
+                out.append(self._finish_one(q) if isinstance(q, _Queued)
+                           else self._run_sync(q))
+            except (OSError, ValueError, EOFError) as exc:
+                out.append(0)
+                if first is None:
+                    first = exc
+            except BaseException:
+                self._release(req)
+                self._abandon(queued[i + 1:])
+                raise
+            self._release(req)
+        if first is not None:
+            raise first
+        return out
+
+    def _abandon(self, queued: Sequence[_Queued | _Request]) -> None:
+        """Cancel and drain queued requests (an error or a signal stops a batch)."""
+        for q in queued:
+            if isinstance(q, _Queued):
+                q.lane.queue.cancel(q.rid)
+        for q in queued:
+            if isinstance(q, _Queued):
+                try:
+                    self._finish_one(q, q.lane.queue.drain(q.rid))
+                except Exception:
+                    pass
+                self._release(q.req)
+            else:
+                self._release(q)
 
     def wait(self) -> int:
         """Finish every outstanding asynchronous request; return how many there were.
@@ -575,6 +635,17 @@ class AioHandle:
 
     def _request(self, write: bool, buffer: Any, file: FileArg, offset: Any,
                  nbytes: Any, async_op: bool, fsync: bool) -> int | IOFuture:
+        req = self._prepare(write, buffer, file, offset, nbytes, fsync)
+        if async_op:
+            return self._start_async(req)
+        try:
+            return self._run_sync(req)
+        finally:
+            self._release(req)
+
+    def _prepare(self, write: bool, buffer: Any, file: FileArg, offset: Any, nbytes: Any,
+                 fsync: bool) -> _Request:
+        """Validate a request and open its file; it counts as active until released."""
         op = "write" if write else "read"
         if self._closed or self._generation != _fork_generation[0]:
             self._check(f"{op} of {describe(file)}")
@@ -612,12 +683,7 @@ class AioHandle:
             if f.transient:
                 f.close()
             raise
-        if async_op:
-            return self._start_async(req)
-        try:
-            return self._run_sync(req)
-        finally:
-            self._release(req)
+        return req
 
     def _file(self, file: FileArg, write: bool) -> AioFile:
         if isinstance(file, AioFile):
@@ -753,9 +819,7 @@ class AioHandle:
 
     # -- sync ------------------------------------------------------------------------------
     def _run_sync(self, req: _Request) -> int:
-        mem = req.mem
-        if (req.nbytes and mem.contiguous and mem.device == "cpu"
-                and len(self._slices(req)) == 1):
+        if self._is_one(req):
             return self._run_one(req)       # counts itself
         try:
             done = self._execute_sync(req)
@@ -827,31 +891,60 @@ class AioHandle:
             os.fsync(req.file.fileno())
         return done
 
+    def _is_one(self, req: _Request) -> bool:
+        """Whether a request runs as one queued piece list (contiguous host memory, one
+        slice): the hot path of small requests."""
+        mem = req.mem
+        return (req.nbytes > 0 and mem.contiguous and mem.device == "cpu"
+                and len(self._slices(req)) == 1)
+
     def _run_one(self, req: _Request) -> int:
-        """A sync request of one slice: the hot path of small requests, kept short."""
+        """A sync request of one slice, kept short."""
+        return self._finish_one(self._queue_one(req, True, None))
+
+    def _queue_one(self, req: _Request, sync: bool, token: Any) -> _Queued:
+        """Queue a one-slice request on a lane (holding its memory and file)."""
         f, mem, n = req.file, req.mem, req.nbytes
         hold = pinned.registry.hold(mem.address, n)
         try:
             mode, edges, middle = self._mode(req, hold is not None)
+            self._rr = rr = (self._rr + 1) % len(self._lanes)     # a hint: races are fine
+            lane = self._lanes[rr]
+            if mode != _aio.MODE_PLAIN and not lane.ring.attached:
+                lane.ring.ensure()
+            if not sync and lane.thread is None:
+                lane.start()
+            fd = f.use()
         except BaseException:
             if hold is not None:
                 pinned.registry.unhold(hold)
             raise
-        self._rr = rr = (self._rr + 1) % len(self._lanes)     # a hint: races are fine
-        lane = self._lanes[rr]
-        if mode != _aio.MODE_PLAIN and not lane.ring.attached:
-            lane.ring.ensure()
-        fd = f.use()
         try:
-            res = lane.queue.run(fd, req.write, mem.address, n, req.offset, mode, f.off_align,
-                                 self._block(f), f.state, req.fsync)
-        finally:
+            rid = lane.queue.submit(fd, req.write, mem.address, n, req.offset, mode,
+                                    f.off_align, self._block(f), f.state, req.fsync, sync,
+                                    token)
+        except BaseException:
             f.unuse()
             if hold is not None:
                 pinned.registry.unhold(hold)
-        done, err, eoff, en, eof = res
+            raise
         with self._lock:
             self._count_paths(mode, edges, middle)
+        return _Queued(req, lane, rid, hold)
+
+    def _finish_one(self, q: _Queued,
+                    res: tuple[int, int, int, int, bool] | None = None) -> int:
+        """Wait for (unless ``res`` is given) and account a sync request from _queue_one."""
+        req = q.req
+        try:
+            if res is None:
+                res = q.lane.queue.wait(q.rid)
+        finally:
+            req.file.unuse()
+            if q.hold is not None:
+                pinned.registry.unhold(q.hold)
+        done, err, _, _, eof = res
+        with self._lock:
             st = self._stats
             if err or eof:
                 st.failed += 1
@@ -934,6 +1027,14 @@ class AioHandle:
                 self._release(req)
             return fut
         slices = self._slices(req)
+        if len(slices) == 1:
+            token = _Async(self, req, fut, 1, None)
+            try:
+                token.post = self._queue_one(req, False, token).hold
+            except BaseException:
+                self._forget_failed(token)
+                raise
+            return fut
         token = _Async(self, req, fut, len(slices),
                        pinned.registry.hold(mem.address, req.nbytes))
         try:
