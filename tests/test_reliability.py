@@ -484,7 +484,7 @@ def test_fork_with_requests_in_flight(tmp_path: Path) -> None:
                     print("wrong", name, repr(exc), flush=True); os._exit(5)
                 print("child", name, "returned", flush=True)
             os._exit(0)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 8
         while time.monotonic() < deadline:
             p, status = os.waitpid(pid, os.WNOHANG)
             if p:
