@@ -1012,6 +1012,16 @@ pt.pthread_mutex_init(&_edge_mu, NULL)
 memset(_edges, 0, sizeof(_edges))
 
 
+def _after_fork_in_child():
+    """A child starts with no requests: the edge table is empty and its mutex fresh (another
+    thread of the parent may have held it at fork())."""
+    pt.pthread_mutex_init(&_edge_mu, NULL)
+    memset(_edges, 0, sizeof(_edges))
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 cdef int _edge_take(void* file, int64_t block) noexcept nogil:
     """Lock (file, block) for a read-modify-write; -1 when another holds it (or full)."""
     cdef int i, free_i = -1

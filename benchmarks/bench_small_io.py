@@ -9,6 +9,7 @@ shown with its spread):
 * ``os``: ``os.preadv``/``os.pwritev`` on the same O_DIRECT fd
 * ``fio qd1``: fio's libaio engine, iodepth 1
 * ``async x32``: 32 ``f.pread(..., async_op=True)`` in flight, then ``h.wait()``
+* ``batch x32``: ``h.pread_many`` of 32 requests (no futures)
 * ``fio qd32``: fio libaio, iodepth 32
 
 Then large transfers (``--large``, bs 1 MiB, qd 32): direct (pinned) and bounce (unpinned,
@@ -88,7 +89,7 @@ def run_small(h: aioswap.AioHandle, path: str, fd: int, bs: int, ops: int, qd: i
     mvs = [mv[i * bs:(i + 1) * bs] for i in range(qd)]
     res: dict[str, list[float]] = {k: [] for k in
                                    ("sync file", "sync fd", "os", "fio qd1", "async x32",
-                                    "fio qd32")}
+                                    "batch x32", "fio qd32")}
     f = h.open(path, "r+")
     try:
         for r in range(rounds):
@@ -124,6 +125,11 @@ def run_small(h: aioswap.AioHandle, path: str, fd: int, bs: int, ops: int, qd: i
                     call(views[i], off, async_op=True)
                 h.wait()
             res["async x32"].append(ops / (time.perf_counter() - t0))
+            many = h.pwrite_many if write else h.pread_many
+            t0 = time.perf_counter()
+            for start in range(0, ops, qd):
+                many([(views[i], f, off) for i, off in enumerate(offs[start:start + qd])])
+            res["batch x32"].append(ops / (time.perf_counter() - t0))
             v = fio(path, "randwrite" if write else "randread", bs, qd, ops * bs, file_size)
             if v is not None:
                 res["fio qd32"].append(v)
@@ -226,17 +232,20 @@ def main(argv: list[str] | None = None) -> int:
                       f"{a.ops} per measurement, {a.repeat} round(s). IOPS: median ±half the "
                       f"spread; ratio = aioswap / other (bigger is better)")
                 print(f"{'op':<6}{'size':>6}{'sync file':>16}{'sync fd':>16}{'os':>16}"
-                      f"{'fio qd1':>16}{'async x32':>16}{'fio qd32':>16}"
-                      f"{'file/os':>9}{'x32/fio32':>11}")
+                      f"{'fio qd1':>16}{'async x32':>16}{'batch x32':>16}{'fio qd32':>16}"
+                      f"{'file/os':>9}{'fd/os':>7}{'x32/fio32':>11}{'batch/fio32':>12}")
                 for op in ("read",) if a.no_write else ("read", "write"):
                     for bs in (size(s) for s in a.sizes.split(",")):
                         r = run_small(h, path, fd, bs, a.ops, a.qd, a.file_size,
                                       op == "write", a.repeat)
                         print(f"{op:<6}{human(bs):>6}" + "".join(
                             f"{fmt(r[k]):>16}" for k in ("sync file", "sync fd", "os",
-                                                         "fio qd1", "async x32", "fio qd32"))
+                                                         "fio qd1", "async x32", "batch x32",
+                                                         "fio qd32"))
                               + f"{ratio(r['sync file'], r['os']):>9}"
-                              f"{ratio(r['async x32'], r['fio qd32']):>11}", flush=True)
+                              f"{ratio(r['sync fd'], r['os']):>7}"
+                              f"{ratio(r['async x32'], r['fio qd32']):>11}"
+                              f"{ratio(r['batch x32'], r['fio qd32']):>12}", flush=True)
             finally:
                 os.close(fd)
             if a.large:
