@@ -67,10 +67,14 @@ never read.
 
 Batched I/O: a state dict goes out as one request per tensor, all submitted before any is
 waited for (async ``pwrite``), then one fsync per pack file and one manifest commit; it comes
-back the same way (async ``pread`` per tensor, then one wait). Fresh CPU destinations of
-``swap_in_state_dict`` are page-locked (``aioswap.pinned.empty(strict=False)``, read with
-direct I/O, no bounce copy) up to ``pin_budget`` bytes per call, and plain memory beyond it,
-touched before its read is submitted so that its page faults overlap the reads in flight.
+back the same way (async ``pread`` per tensor, then one wait). Every request is block-aligned:
+tensors up to 64 KiB, and the partial last block of larger ones, are written from one
+zero-padded page-locked slab. Fresh CPU destinations of ``swap_in_state_dict`` are
+page-locked (``aioswap.pinned.empty(strict=False)``, read with direct I/O, no bounce copy) up
+to ``pin_budget`` bytes per call, and plain memory beyond it; fresh tensors up to 64 KiB are
+read through one locked slab and copied into plain memory. Fresh memory is faulted in on a
+few threads that submit each tensor's read as soon as its memory is there, so the faults
+overlap each other and the reads in flight.
 
 Release: ``release=True`` frees a tensor's storage (``untyped_storage().resize_(0)``) once its
 write is durable and published; ``swap_in`` without ``out`` resizes the same storage back and
@@ -126,6 +130,7 @@ _PREFAULT_MIN = 1 << 20       # fresh host memory at least this large is touched
 _DEFAULT_STAGING = 64 << 20
 _SMALL_WRITE = 64 << 10       # tensors up to this size are written from a locked slab
 _SLAB_MAX = 64 << 20          # bytes of that slab per state dict
+_SMALL_READ = 64 << 10        # fresh tensors up to this size are read through a locked slab
 
 _T = TypeVar("_T")
 _Device = Union[str, "torch.device", int, None]
@@ -287,6 +292,7 @@ class _ReadPlan:
     nread: int = 0
     resized: torch.UntypedStorage | None = None
     pin: bool = False                      # fresh page-locked memory
+    slot: torch.Tensor | None = None       # small: read into a shared locked slab, copied
     pieces: list[tuple[concurrent.futures.Future[int], int, int]] = field(
         default_factory=list)
     ready: threading.Event = field(default_factory=threading.Event)   # reads submitted
@@ -1047,6 +1053,12 @@ class TensorSwapper:
                     _prefault(st)
         elif p.out is not None:
             target = p.out
+        elif p.slot is not None:
+            padded = _round_up(e.nbytes)
+            if e.offset + padded <= p.file_size and e.offset % PACK_ALIGN == 0:
+                p.nread = padded
+            p.flat = p.dest = p.slot        # the tensor is made after the read (_execute)
+            return
         else:
             padded = _round_up(e.nbytes)
             device = p.device
@@ -1123,11 +1135,29 @@ class TensorSwapper:
         import torch
         active = [p for p in plans if p.shared is None]
         left = budget
-        for p in active:        # who gets page-locked memory: decided in order, up front
-            e = p.entry
-            if (p.restore is None and p.out is None and e.nbytes
-                    and (p.device is None or torch.device(p.device).type == "cpu")):
-                padded = _round_up(e.nbytes)
+        fresh = [p for p in active if p.restore is None and p.out is None and p.entry.nbytes
+                 and (p.device is None or torch.device(p.device).type == "cpu")]
+        # Small fresh tensors (unless page-locked results are asked for) are read into one
+        # locked slab and copied into plain memory: one allocation for all of them instead
+        # of one locked allocation (a syscall, a registry entry) each.
+        small = [p for p in fresh if p.entry.nbytes <= _SMALL_READ] if not pin else []
+        slab: torch.Tensor | None = None
+        if len(small) > 1:
+            need = 0
+            take = []
+            for p in small:
+                if need + _round_up(p.entry.nbytes) <= _SLAB_MAX:
+                    take.append(p)
+                    need += _round_up(p.entry.nbytes)
+            from aioswap import pinned
+            slab = pinned.empty(need, torch.uint8, strict=False)
+            pos = 0
+            for p in take:
+                p.slot = slab[pos:pos + _round_up(p.entry.nbytes)]
+                pos += _round_up(p.entry.nbytes)
+        for p in fresh:         # who gets page-locked memory: decided in order, up front
+            if p.slot is None:
+                padded = _round_up(p.entry.nbytes)
                 if pin or padded <= left:
                     p.pin = True
                     left -= 0 if pin else padded
@@ -1177,6 +1207,13 @@ class TensorSwapper:
             if p.shared is not None:
                 continue
             err = p.error or first
+            if err is None and p.slot is not None:
+                try:
+                    t = torch.empty(p.entry.shape, dtype=_dtype_from_name(p.entry.dtype))
+                    t.reshape(-1).view(torch.uint8).copy_(p.slot[:p.entry.nbytes])
+                    p.target = p.dest = t
+                except Exception as exc:
+                    err = exc
             if err is None and p.dest is not None and p.target is not None \
                     and p.dest is not p.target and p.dest.data_ptr() != p.target.data_ptr():
                 try:
