@@ -21,6 +21,7 @@ contiguous copy; CUDA tensors through the ring in block-sized chunks.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import operator
@@ -120,6 +121,16 @@ class _Request:
         return "write" if self.write else "read"
 
 
+class _Outcome:
+    """How an async request ended, as wait() sees it (no future locks needed)."""
+
+    __slots__ = ("error", "seq")
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+        self.error: BaseException | None = None
+
+
 class _Queued:
     """A one-slice request in a lane's queue: what finishing it needs."""
 
@@ -190,7 +201,7 @@ class _Lane:
 class _Async:
     """The bookkeeping of one asynchronous request (the token its pieces come back with)."""
 
-    __slots__ = ("errors", "done", "fut", "handle", "lock", "parts", "post", "req")
+    __slots__ = ("done", "errors", "fut", "handle", "lock", "outcome", "parts", "post", "req")
 
     def __init__(self, handle: AioHandle, req: _Request, fut: IOFuture, parts: int,
                  post: Any) -> None:
@@ -202,6 +213,7 @@ class _Async:
         self.errors: list[BaseException] = []
         self.post = post
         self.lock = threading.Lock() if parts > 1 else None
+        self.outcome: _Outcome | None = None
 
     def part_done(self, done: int, err: int, eoff: int, en: int, eof: bool) -> None:
         exc = self.handle._result_error(self.req, done, err, eoff, en, eof)
@@ -291,7 +303,15 @@ class AioHandle:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._stats = HandleStats()
-        self._pending: dict[IOFuture, None] = {}
+        # async requests not yet counted by wait(): future -> its outcome (error or None)
+        self._pending: dict[IOFuture, _Outcome] = {}
+        # submission numbers of unfinished async requests, oldest first (finished ones
+        # are popped from the left lazily): wait() covers everything below a number
+        self._seq = 0
+        self._open: collections.deque[int] = collections.deque()
+        self._closed_seqs: set[int] = set()
+        self._finished = threading.Condition(self._lock)
+        self._waiting = 0
         self._active = 0                     # requests submitted and not finished
         self._warned_buffered = False
         self._rr = 0
@@ -568,24 +588,44 @@ class AioHandle:
         interrupted wait (KeyboardInterrupt) leaves them pending for the next ``wait``.
         """
         with self._lock:
-            batch = list(self._pending)
-        if not batch:
-            return 0
-        busy = [f for f in batch if not f.done()]
-        if busy:
-            concurrent.futures.wait(busy)
-        count = self._forget(batch)
-        _raise_first(batch)
-        return count
+            if not self._pending:
+                return 0
+            upto = self._seq
+            self._waiting += 1
+            try:
+                while self._open and self._open[0] < upto:
+                    self._finished.wait()
+            finally:
+                self._waiting -= 1
+            batch = [(f, o) for f, o in self._pending.items() if o.seq < upto]
+            for f, _ in batch:
+                del self._pending[f]
+        for _, o in batch:
+            if o.error is not None:
+                raise o.error
+        return len(batch)
 
     def _forget(self, futs: Iterable[IOFuture]) -> int:
         """Drop finished futures from the pending set; how many this call dropped."""
         n = 0
         with self._lock:
             for f in futs:
-                if self._pending.pop(f, 0) is None:
+                if self._pending.pop(f, None) is not None:
                     n += 1
         return n
+
+    def _finished_locked(self, outcome: _Outcome, error: BaseException | None) -> None:
+        """An async request is over (``self._lock`` held): record it, wake wait()."""
+        outcome.error = error
+        seq = outcome.seq
+        if self._open and self._open[0] == seq:
+            self._open.popleft()
+            while self._open and self._open[0] in self._closed_seqs:
+                self._closed_seqs.remove(self._open.popleft())
+        else:
+            self._closed_seqs.add(seq)
+        if self._waiting:
+            self._finished.notify_all()
 
     def close(self) -> None:
         """Refuse new requests, finish those in flight, then free lanes, threads and rings.
@@ -1014,21 +1054,31 @@ class AioHandle:
         fut = IOFuture(req.op, req.arg, req.nbytes, req.offset)
         fut.set_running_or_notify_cancel()
         with self._lock:
-            self._pending[fut] = None
+            outcome = _Outcome(self._seq)
+            self._seq += 1
+            self._open.append(outcome.seq)
+            self._pending[fut] = outcome
             self._stats.async_ops += 1
         mem = req.mem
         if req.nbytes == 0 or not mem.contiguous or mem.device == "cuda":
             # rare shapes: run them here, now (their data moves through the sync path)
+            error: BaseException | None = None
             try:
-                fut.set_result(self._run_sync(req))
+                done = self._run_sync(req)
             except BaseException as exc:
-                fut.set_exception(exc)
-            finally:
-                self._release(req)
+                error = exc
+            self._release(req)
+            with self._lock:
+                self._finished_locked(outcome, error)
+            if error is None:
+                fut.set_result(done)
+            else:
+                fut.set_exception(error)
             return fut
         slices = self._slices(req)
         if len(slices) == 1:
             token = _Async(self, req, fut, 1, None)
+            token.outcome = outcome
             try:
                 token.post = self._queue_one(req, False, token).hold
             except BaseException:
@@ -1037,6 +1087,7 @@ class AioHandle:
             return fut
         token = _Async(self, req, fut, len(slices),
                        pinned.registry.hold(mem.address, req.nbytes))
+        token.outcome = outcome
         try:
             self._submit_parts(req, slices, False, token)
         except BaseException as exc:
@@ -1060,6 +1111,8 @@ class AioHandle:
             token.post = None
         with self._lock:
             self._pending.pop(token.fut, None)
+            if token.outcome is not None:
+                self._finished_locked(token.outcome, None)
         token.fut.set_exception(HandleClosedError("request was not submitted"))
         self._release(token.req)
 
@@ -1090,6 +1143,8 @@ class AioHandle:
             self._active -= 1
             if self._closed and self._active == 0:
                 self._idle.notify_all()
+            if token.outcome is not None:
+                self._finished_locked(token.outcome, first)
         if first is not None:
             fut.set_exception(first)
         else:
@@ -1125,16 +1180,6 @@ class _NoLock:
 
 
 _NOLOCK = _NoLock()
-
-
-def _raise_first(futs: Iterable[IOFuture]) -> None:
-    """After every future is done: raise the first error (cancelled ones count as done)."""
-    for f in futs:
-        if f.cancelled():
-            continue
-        exc = f.exception()
-        if exc is not None:
-            raise exc
 
 
 def _flat_bytes(t: Any) -> Any:
