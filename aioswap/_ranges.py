@@ -139,11 +139,13 @@ class RangeIndex(Generic[V]):
         return None
 
     def overlap(self, lo: int, hi: int) -> Span[V] | None:
-        """The lowest range overlapping ``[lo, hi)``, or None."""
+        """The lowest range overlapping ``[lo, hi)``, or None (an empty span overlaps none)."""
         with self._guard():
             return self._overlap(lo, hi)
 
     def _overlap(self, lo: int, hi: int) -> Span[V] | None:
+        if hi <= lo:
+            return None
         starts, ends = self._starts, self._ends
         i = bisect_right(starts, lo) - 1
         if i >= 0 and ends[i] > lo:

@@ -132,6 +132,14 @@ class _Range:
         self.io = 0                 # I/O requests in flight on this memory (hold/unhold)
 
 
+def _released(rec: _Range) -> bool:
+    """Whether ``rec`` is an allocation whose LockedMemory is gone or was released."""
+    if rec.kind != _ALLOCATED or rec.ref is None:
+        return False
+    mem = rec.ref()
+    return mem is None or mem.closed
+
+
 # torch.Tensor once torch is imported by someone (never imported from here on a query).
 _Tensor: Any = None
 # Tensor subclasses seen so far -> whether their instances own real memory.
@@ -393,6 +401,11 @@ class PinnedRegistry:
         """Index ``rec`` and count it (under the lock)."""
         index = self._device if rec.device else self._host
         other = index.overlap(rec.start, rec.end)
+        while other is not None and _released(other.value):
+            # Its LockedMemory was released by hand (LockedMemory.release()), not collected:
+            # the pages are gone, so the record is stale. Drop it for the new one.
+            self._remove(other.value)
+            other = index.overlap(rec.start, rec.end)
         if other is not None:
             kind = "device" if rec.device else "host"
             raise ValueError(
@@ -777,7 +790,9 @@ class PinnedRegistry:
         ----------
         obj : torch.Tensor or aioswap._aio.LockedMemory
             A tensor over memory from :meth:`empty` (or any view of it), or a LockedMemory
-            from :meth:`allocate`. A released LockedMemory is accepted (nothing to do).
+            from :meth:`allocate`. A LockedMemory released by hand
+            (``LockedMemory.release()``, which unmaps at once) is accepted: its range is
+            forgotten now rather than when the object is collected.
 
         Raises
         ------
@@ -790,6 +805,7 @@ class PinnedRegistry:
         """
         if isinstance(obj, LockedMemory):
             if obj.closed:
+                self._forget_released(obj)
                 return
             rec = self._record_of(obj.address)
             if rec is None or rec.ref is None or rec.ref() is not obj:
@@ -815,6 +831,14 @@ class PinnedRegistry:
                             "the array and its views, and the memory goes with the last one")
         raise TypeError(f"free() takes a tensor from pinned.empty() or a LockedMemory from "
                         f"pinned.allocate(), not {type(obj).__name__}")
+
+    def _forget_released(self, mem: LockedMemory) -> None:
+        """Drop the range of an allocation released by hand (its address is gone with it)."""
+        with self._critical():
+            for span in self._host:
+                if span.value.ref is not None and span.value.ref() is mem:
+                    self._remove(span.value)
+                    return
 
     def _record_of(self, address: int) -> _Range | None:
         """The allocation (locked or not) whose memory holds ``address``."""
