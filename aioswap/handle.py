@@ -587,6 +587,8 @@ class AioHandle:
         runs to the end; then the first error (in submission order) is raised. An
         interrupted wait (KeyboardInterrupt) leaves them pending for the next ``wait``.
         """
+        if self._generation != _fork_generation[0]:
+            self._check("wait()")               # a forked child: nothing completes here
         with self._lock:
             if not self._pending:
                 return 0
@@ -636,10 +638,10 @@ class AioHandle:
             if self._closed:
                 return
             self._closed = True
+            if self._generation != _fork_generation[0] or self._pid != os.getpid():
+                return              # a forked child: the parent's lanes and requests
             while self._active:
                 self._idle.wait()
-        if self._pid != os.getpid():
-            return                  # a forked child: the parent's lanes are not ours
         for lane in self._lanes:
             lane.close()
 
