@@ -4,7 +4,7 @@ from aioswap.config import AioConfig
 from aioswap.errors import (AioswapError, AioswapWarning, ChecksumError, ConfigError,
                             CuFileError, CuFileUnavailable, DirectIOFallbackWarning,
                             DirectIOUnsupportedError, HandleClosedError, PinnedMemoryError,
-                            ShortReadError, SwapError)
+                            ShortReadError, SwapError, TuneError)
 from aioswap.gds import GdsHandle
 from aioswap.handle import AioFile, AioHandle, HandleStats, IOFuture
 from aioswap.pinned import PinnedRegistry, is_pinned
@@ -35,6 +35,7 @@ __all__ = [
     "SwapError",
     "SwapInfo",
     "TensorSwapper",
+    "TuneError",
     "__version__",
     "aio_available",
     "dio_alignment",

@@ -36,7 +36,7 @@ from aioswap._units import GB, UNITS_NOTE, format_size, parse_size, short_size
 from aioswap.config import DEFAULT_CONFIG, AioConfig, default_config
 from aioswap.errors import ConfigError, DirectIOUnsupportedError, TuneError
 from aioswap.tune.measure import cap_ipc_lock, memory_available, read_text
-from aioswap.tune.measure import drop_cache  # noqa: F401  (transitional: use benchmarks/_common)
+from aioswap.tune.measure import drop_cache
 
 if TYPE_CHECKING:
     from aioswap import tune as tune_mod

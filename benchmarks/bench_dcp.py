@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from aioswap.cli import drop_cache as _drop_cache
-from aioswap.cli import format_size
+from _common import drop_cache as _drop_cache
+from _common import format_size
 
 METHODS = ("aioswap", "stock", "stock, N threads")
 

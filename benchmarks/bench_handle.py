@@ -23,7 +23,7 @@ import torch
 
 import aioswap
 from aioswap import pinned
-from aioswap.cli import drop_cache, format_size, parse_size
+from _common import drop_cache, format_size, parse_size
 
 
 def timed(fn) -> float:

@@ -42,8 +42,8 @@ import torch
 import aioswap
 import aioswap.safetensors as ast
 from aioswap import pinned
-from aioswap.cli import drop_cache as _drop_cache
-from aioswap.cli import format_size
+from _common import drop_cache as _drop_cache
+from _common import format_size
 
 try:
     import safetensors.torch as st

@@ -22,7 +22,7 @@ import torch
 
 import aioswap
 from aioswap import pinned
-from aioswap.cli import drop_cache, format_size, parse_size
+from _common import drop_cache, format_size, parse_size
 
 
 def timed(fn) -> float:
@@ -91,8 +91,6 @@ def main(argv=None) -> int:
         g = None
     if g is not None:
         with g:
-            from aioswap import _cufile
-            notes.append(f"cuFile {_cufile.library_path()} version {_cufile.version()}")
             round_trip("CUDA via cuFile, unregistered", g, src, dst, path, size, rows, failures)
             reg_src = g.new_pinned_device_tensor(size, torch.uint8)
             reg_dst = g.new_pinned_device_tensor(size, torch.uint8)

@@ -194,8 +194,6 @@ def _aioswap_imports(path: Path) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py")))
 def test_benchmarks_use_public_api_only(script: str, request: pytest.FixtureRequest) -> None:
     """No private module or name of aioswap (``aioswap._aio.LockedMemory`` was one)."""
-    if script == "gpu_check.py":  # reads the cuFile version through _cufile; not mine to fix
-        request.applymarker(pytest.mark.xfail(reason="its owner drops _cufile", strict=False))
     for module, name in _aioswap_imports(BENCHMARKS / script):
         assert not any(part.startswith("_") for part in module.split(".")), (script, module)
         assert not name.startswith("_"), (script, module, name)
@@ -205,7 +203,5 @@ def test_benchmarks_use_public_api_only(script: str, request: pytest.FixtureRequ
                                            if p.name != "_common.py"))
 def test_benchmarks_share_common(script: str, request: pytest.FixtureRequest) -> None:
     """Scratch files, the page cache and sizes come from _common, not from aioswap.cli."""
-    if script not in MINE:
-        request.applymarker(pytest.mark.xfail(reason="its owner moves it to _common", strict=False))
     used = _aioswap_imports(BENCHMARKS / script)
     assert not [u for u in used if u[0] == "aioswap.cli"], (script, used)
