@@ -15,25 +15,43 @@ import threading
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, TypeVar
 
 __all__ = ["RangeIndex", "Span"]
 
 V = TypeVar("V")
 
 
-class Span(NamedTuple, Generic[V]):
-    """One range of a :class:`RangeIndex` and its value."""
+class Span(Generic[V]):
+    """One range ``[start, end)`` of a :class:`RangeIndex` and its value.
 
-    start: int
-    end: int
-    value: V
+    Compares equal to the tuple ``(start, end, value)`` and unpacks like it. (Not a generic
+    NamedTuple: those need Python 3.11.)
+    """
+
+    __slots__ = ("end", "start", "value")
+
+    def __init__(self, start: int, end: int, value: V) -> None:
+        self.start = start
+        self.end = end
+        self.value = value
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.start, self.end, self.value))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (Span, tuple)):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    __hash__ = None     # type: ignore[assignment]  # equal to tuples, so not hashable
+
+    def __repr__(self) -> str:
+        return f"Span({self.start:#x}, {self.end:#x}, {self.value!r})"
 
 
-class _Snapshot(NamedTuple, Generic[V]):
-    starts: tuple[int, ...]
-    ends: tuple[int, ...]
-    values: tuple[V, ...]
+# starts, ends, values: the immutable snapshot lookups bisect.
+_Snapshot = tuple[tuple[int, ...], tuple[int, ...], tuple[V, ...]]
 
 
 class RangeIndex(Generic[V]):
@@ -63,7 +81,7 @@ class RangeIndex(Generic[V]):
         self._starts: list[int] = []
         self._ends: list[int] = []
         self._values: list[V] = []
-        self._snap: _Snapshot[V] | None = _Snapshot((), (), ())
+        self._snap: _Snapshot[V] | None = ((), (), ())
 
     # ----------------------------------------------------------------------- changes
     def add(self, start: int, end: int, value: V) -> None:
@@ -112,8 +130,8 @@ class RangeIndex(Generic[V]):
             with self._guard():
                 snap = self._snap
                 if snap is None:
-                    snap = self._snap = _Snapshot(tuple(self._starts), tuple(self._ends),
-                                                  tuple(self._values))
+                    snap = self._snap = (tuple(self._starts), tuple(self._ends),
+                                         tuple(self._values))
         return snap
 
     def contains(self, lo: int, hi: int) -> bool:
@@ -163,7 +181,7 @@ class RangeIndex(Generic[V]):
         return map(Span, starts, ends, values)
 
     def __len__(self) -> int:
-        return len(self._snapshot().starts)
+        return len(self._snapshot()[0])
 
     def __repr__(self) -> str:
         return f"<aioswap._ranges.RangeIndex {len(self)} ranges>"

@@ -60,8 +60,9 @@ class GdsHandle(AioHandle):
     def pin_device_tensor(self, tensor: torch.Tensor) -> None:
         """Register a contiguous CUDA tensor's memory with cuFile (and the registry)."""
         if tensor.device.type != "cuda" or not tensor.is_contiguous():
-            raise ValueError("pin_device_tensor needs a contiguous CUDA tensor, got "
-                             f"{tensor.device} {'contiguous' if tensor.is_contiguous() else 'strided'}")
+            layout = "contiguous" if tensor.is_contiguous() else "strided"
+            raise ValueError(f"pin_device_tensor needs a contiguous CUDA tensor, got "
+                             f"{tensor.device} {layout}")
         ptr, n = tensor.data_ptr(), tensor.numel() * tensor.element_size()
         with self._pin_lock:
             if ptr in self._pins:
