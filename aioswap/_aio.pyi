@@ -3,6 +3,8 @@ from os import PathLike
 from types import TracebackType
 from typing import Any, Union
 
+from typing_extensions import disjoint_base
+
 
 _Path = Union[str, bytes, PathLike[str], PathLike[bytes]]
 
@@ -10,6 +12,7 @@ DEFAULT_ALIGNMENT: int
 MAX_DEPTH: int
 PAGE_SIZE: int
 
+@disjoint_base
 class AioContext:
     def __init__(self, depth: int = 128) -> None: ...
     def close(self) -> None: ...
@@ -37,6 +40,7 @@ class AioContext:
                 single_submit: bool = False, overlap_events: bool = True,
                 path: _Path | None = None) -> int: ...
 
+@disjoint_base
 class LockedMemory:
     def __init__(self, nbytes: int, lock: bool = True) -> None: ...
     @property
@@ -58,11 +62,13 @@ MODE_DIRECT: int
 MODE_BOUNCE: int
 MODE_PLAIN: int
 
+@disjoint_base
 class FileState:
     def __init__(self) -> None: ...
     @property
     def active_writes(self) -> int: ...
 
+@disjoint_base
 class AioQueue:
     def __init__(self, depth: int, *, single_submit: bool = False,
                  overlap_events: bool = True) -> None: ...
