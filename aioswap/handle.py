@@ -384,9 +384,10 @@ class AioHandle:
         return pinned.empty(numel, dtype)
 
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> None:
-        """Release a tensor from :meth:`new_cpu_locked_tensor` (see ``pinned.free``).
+        """Give up a tensor from :meth:`new_cpu_locked_tensor` (see ``pinned.free``).
 
-        Refused (BufferError) while requests of any handle use the memory.
+        The memory goes when its last reference (the tensor and every view) goes; the call
+        is refused (BufferError) while requests of any handle use the memory.
         """
         pinned.free(tensor)
 
