@@ -70,6 +70,7 @@ class _Interrupt:
     def __init__(self) -> None:
         self.armed = False
         self.sent = 0.0
+        self.thread: threading.Thread | None = None
         self.old = signal.getsignal(signal.SIGINT)
 
     def __enter__(self) -> _Interrupt:
@@ -92,8 +93,14 @@ class _Interrupt:
             os.kill(os.getpid(), signal.SIGINT)
 
         t = threading.Thread(target=send)
+        self.thread = t
         t.start()
         return t
+
+    def join(self) -> None:
+        t, self.thread = self.thread, None
+        if t is not None:
+            t.join()
 
 
 def _interrupted_sync_read(h: aioswap.AioHandle, path: Path, dst: torch.Tensor,
@@ -102,13 +109,13 @@ def _interrupted_sync_read(h: aioswap.AioHandle, path: Path, dst: torch.Tensor,
     with _Interrupt() as intr:
         for i in range(tries):
             completed = False
-            t = intr.fire_after(0.005 + 0.012 * i)
             try:
                 try:
+                    intr.fire_after(0.005 + 0.012 * i)
                     h.pread(dst, path)
                     completed = True
                 finally:
-                    t.join()
+                    intr.join()
                     time.sleep(0.02)      # let a late handler run inside the try
                     intr.armed = False
             except KeyboardInterrupt:
@@ -165,13 +172,13 @@ def test_sigint_during_sync_bounced_write(tmp_path: Path) -> None:
         landed = False
         for i in range(12):
             completed = False
-            t = intr.fire_after(0.005 + 0.015 * i)
             try:
                 try:
+                    intr.fire_after(0.005 + 0.015 * i)
                     h.pwrite(src[1:], out, 1)          # misaligned, unpinned: bounced
                     completed = True
                 finally:
-                    t.join()
+                    intr.join()
                     time.sleep(0.02)
                     intr.armed = False
             except KeyboardInterrupt:
@@ -286,12 +293,12 @@ def test_sigint_during_wait_keeps_ops_pending(big_file: tuple[Path, np.ndarray])
                     for k in range(n)]
             count: int | None = None
             running = 0
-            t = intr.fire_after(0.003 + 0.01 * i)
             try:
                 try:
+                    intr.fire_after(0.003 + 0.01 * i)
                     count = h.wait()
                 finally:
-                    t.join()
+                    intr.join()
                     time.sleep(0.02)
                     intr.armed = False
             except KeyboardInterrupt:
