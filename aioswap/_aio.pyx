@@ -876,7 +876,7 @@ cdef class LockedMemory:
 
 from libc.string cimport memcpy
 from posix.stat cimport fstat, struct_stat
-from posix.unistd cimport ftruncate, getpid
+from posix.unistd cimport ftruncate, getpid, pread, pwrite
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from posix.uio cimport iovec
 
@@ -1554,7 +1554,7 @@ cdef int _wait_req(_Q* q, _Req* r, double budget) noexcept nogil:
 # when the queue goes idle, when half a queue's worth is waiting, or after this long. The
 # submitting thread then keeps the GIL while it queues a burst, instead of trading it with
 # the completion thread after every request.
-cdef double _COALESCE_S = 0.0002
+cdef double _COALESCE_S = 0.001
 
 
 cdef int _serve(_Q* q, _Req** out) noexcept nogil:
@@ -1569,7 +1569,7 @@ cdef int _serve(_Q* q, _Req** out) noexcept nogil:
         if q.done_head != NULL:
             wait_s = q.done_since + _COALESCE_S - _mono()
             if (wait_s <= 0 or not _has_work(q) or q.closing or q.broken
-                    or q.ndone * 2 >= q.depth):
+                    or q.ndone >= q.depth):
                 out[0] = q.done_head
                 q.done_head = NULL
                 q.done_tail = NULL
@@ -1862,7 +1862,42 @@ cdef class AioQueue:
 
     def run(self, int fd, bint write, size_t addr, uint64_t nbytes, int64_t offset, int mode,
             uint64_t align, uint64_t block, FileState file=None, bint fsync=False):
-        """:meth:`submit` a sync request and :meth:`wait` for it, in one call."""
+        """:meth:`submit` a sync request and :meth:`wait` for it, in one call.
+
+        A request that is one piece on the caller's memory, aligned at both ends, is one
+        ``pread``/``pwrite`` in this thread instead (GIL released): with nothing to overlap,
+        the AIO round trip only adds a completion hop (for ``O_DIRECT`` writes on ext4 it
+        halves small-write IOPS).
+        """
+        cdef long ret
+        cdef uint64_t done = 0
+        cdef int e = 0
+        if (mode != 1 and not fsync and 0 < nbytes <= block and self._ready
+                and self._pid == getpid() and <uint64_t>offset % align == 0
+                and nbytes % align == 0):
+            with nogil:
+                while done < nbytes:
+                    if write:
+                        ret = pwrite(fd, <void*>(addr + done), nbytes - done,
+                                     offset + <int64_t>done)
+                    else:
+                        ret = pread(fd, <void*>(addr + done), nbytes - done,
+                                    offset + <int64_t>done)
+                    if ret < 0:
+                        if errno == EINTR:
+                            continue
+                        e = errno
+                        break
+                    if ret == 0:
+                        if write:
+                            e = EIO
+                        break
+                    done += <uint64_t>ret
+            if e:
+                return (done, e, offset + <int64_t>done, nbytes - done, False)
+            if done < nbytes:
+                return (done, 0, offset + <int64_t>done, nbytes - done, True)
+            return (done, 0, 0, 0, False)
         return self.wait(self.submit(fd, write, addr, nbytes, offset, mode, align, block, file,
                                      fsync, True, None))
 

@@ -148,7 +148,9 @@ class AioFile:
         if self._size0 is not None and self.transient:
             size, self._size0 = self._size0, None    # measured at open, a moment ago
             return size
-        return file_size(self._fd)
+        if self.block_device:
+            return file_size(self._fd)
+        return os.fstat(self._fd).st_size
 
     def use(self) -> int:
         """Count a request on the file; its fd."""

@@ -311,7 +311,7 @@ class AioHandle:
         self._open: collections.deque[int] = collections.deque()
         self._closed_seqs: set[int] = set()
         self._finished = threading.Condition(self._lock)
-        self._waiting = 0
+        self._wait_targets: list[int] = []     # the submission number each wait() waits below
         self._active = 0                     # requests submitted and not finished
         self._warned_buffered = False
         self._rr = 0
@@ -594,12 +594,12 @@ class AioHandle:
             if not self._pending:
                 return 0
             upto = self._seq
-            self._waiting += 1
+            self._wait_targets.append(upto)
             try:
                 while self._open and self._open[0] < upto:
                     self._finished.wait()
             finally:
-                self._waiting -= 1
+                self._wait_targets.remove(upto)
             batch = [(f, o) for f, o in self._pending.items() if o.seq < upto]
             for f, _ in batch:
                 del self._pending[f]
@@ -627,7 +627,9 @@ class AioHandle:
                 self._closed_seqs.remove(self._open.popleft())
         else:
             self._closed_seqs.add(seq)
-        if self._waiting:
+        # wake a waiter only when what it waits for is over (one wake per wait, not one per
+        # finished request: each is a context switch)
+        if self._wait_targets and (not self._open or self._open[0] >= min(self._wait_targets)):
             self._finished.notify_all()
 
     def close(self) -> None:
@@ -692,7 +694,8 @@ class AioHandle:
         op = "write" if write else "read"
         if self._closed or self._generation != _fork_generation[0]:
             self._check(f"{op} of {describe(file)}")
-        offset = _integer(offset, "offset", file)
+        if type(offset) is not int:
+            offset = _integer(offset, "offset", file)
         if offset < 0:
             raise ValueError(f"negative file offset {offset} for {describe(file)}")
         mem = resolve(buffer)
@@ -710,7 +713,9 @@ class AioHandle:
                 raise ValueError(f"read of {n} bytes from {describe(file)} into a "
                                  f"non-contiguous buffer must cover whole elements of "
                                  f"{mem.itemsize} bytes")
-        f = self._file(file, write)
+        f = self._file(file, write) if type(file) is not AioFile or file.closed else file
+        if f is file and not (f.writable if write else f.readable):
+            f = self._file(file, write)         # raises the access error
         try:
             if not write and n and offset + n > (size := f.size()):
                 raise ShortReadError(
@@ -768,8 +773,11 @@ class AioHandle:
 
     def _slices(self, req: _Request) -> list[tuple[int, int]]:
         """``(start, nbytes)`` of the lanes' contiguous slices of a request."""
-        n, block, k = req.nbytes, self._block(req.file), len(self._lanes)
-        if k == 1 or n < 2 * block:
+        k = len(self._lanes)
+        if k == 1:
+            return [(0, req.nbytes)]
+        n, block = req.nbytes, self._block(req.file)
+        if n < 2 * block:
             return [(0, n)]
         # cut at file offsets that are multiples of the block: no slice boundary is an edge
         per = -(-n // k)

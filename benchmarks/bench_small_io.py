@@ -91,48 +91,56 @@ def run_small(h: aioswap.AioHandle, path: str, fd: int, bs: int, ops: int, qd: i
                                    ("sync file", "sync fd", "os", "fio qd1", "async x32",
                                     "batch x32", "fio qd32")}
     f = h.open(path, "r+")
+    call = f.pwrite if write else f.pread
+    hcall = h.pwrite if write else h.pread
+    many = h.pwrite_many if write else h.pread_many
+    rw = "randwrite" if write else "randread"
+
+    def sync_file(offs: list[int]) -> None:
+        for i, off in enumerate(offs):
+            call(views[i % qd], off)
+
+    def sync_fd(offs: list[int]) -> None:
+        for i, off in enumerate(offs):
+            hcall(views[i % qd], fd, off)
+
+    def plain(offs: list[int]) -> None:
+        if write:
+            for i, off in enumerate(offs):
+                os.pwritev(fd, [mvs[i % qd]], off)
+        else:
+            for i, off in enumerate(offs):
+                os.preadv(fd, [mvs[i % qd]], off)
+
+    def async32(offs: list[int]) -> None:
+        for start in range(0, len(offs), qd):
+            for i, off in enumerate(offs[start:start + qd]):
+                call(views[i], off, async_op=True)
+            h.wait()
+
+    def batch32(offs: list[int]) -> None:
+        for start in range(0, len(offs), qd):
+            many([(views[i], f, off) for i, off in enumerate(offs[start:start + qd])])
+
+    methods = {"sync file": sync_file, "sync fd": sync_fd, "os": plain, "async x32": async32,
+               "batch x32": batch32, "fio qd1": None, "fio qd32": None}
+    names = list(methods)
     try:
         for r in range(rounds):
-            offs = offsets(ops, bs, file_size, r)
-            # sync through the open file
-            t0 = time.perf_counter()
-            call = f.pwrite if write else f.pread
-            for i, off in enumerate(offs):
-                call(views[i % qd], off)
-            res["sync file"].append(ops / (time.perf_counter() - t0))
-            # sync through the fd
-            hcall = h.pwrite if write else h.pread
-            t0 = time.perf_counter()
-            for i, off in enumerate(offs):
-                hcall(views[i % qd], fd, off)
-            res["sync fd"].append(ops / (time.perf_counter() - t0))
-            # os.preadv / os.pwritev on the O_DIRECT fd
-            t0 = time.perf_counter()
-            if write:
-                for i, off in enumerate(offs):
-                    os.pwritev(fd, [mvs[i % qd]], off)
-            else:
-                for i, off in enumerate(offs):
-                    os.preadv(fd, [mvs[i % qd]], off)
-            res["os"].append(ops / (time.perf_counter() - t0))
-            v = fio(path, "randwrite" if write else "randread", bs, 1, ops * bs, file_size)
-            if v is not None:
-                res["fio qd1"].append(v)
-            # 32 async requests in flight, then wait()
-            t0 = time.perf_counter()
-            for start in range(0, ops, qd):
-                for i, off in enumerate(offs[start:start + qd]):
-                    call(views[i], off, async_op=True)
-                h.wait()
-            res["async x32"].append(ops / (time.perf_counter() - t0))
-            many = h.pwrite_many if write else h.pread_many
-            t0 = time.perf_counter()
-            for start in range(0, ops, qd):
-                many([(views[i], f, off) for i, off in enumerate(offs[start:start + qd])])
-            res["batch x32"].append(ops / (time.perf_counter() - t0))
-            v = fio(path, "randwrite" if write else "randread", bs, qd, ops * bs, file_size)
-            if v is not None:
-                res["fio qd32"].append(v)
+            # each method its own offsets (a virtual disk caches what it just served, which
+            # would favour whichever method ran second on the same ones), order rotated
+            order = names[r % len(names):] + names[:r % len(names)]
+            for k, name in enumerate(order):
+                offs = offsets(ops, bs, file_size, 1000 * r + k)
+                fn = methods[name]
+                if fn is None:
+                    v = fio(path, rw, bs, 1 if name == "fio qd1" else qd, ops * bs, file_size)
+                    if v is not None:
+                        res[name].append(v)
+                    continue
+                t0 = time.perf_counter()
+                fn(offs)
+                res[name].append(ops / (time.perf_counter() - t0))
     finally:
         f.close()
     return res
