@@ -954,6 +954,7 @@ cdef struct _Slot:
     bint fresh
     bint pads                   # an edge block past the end of the file is written whole
     uint64_t rgot               # bytes of the edge block that existed (its read)
+    int64_t parked              # a reaped result waiting for its copy-out
     int err
     bint eof
     uint64_t uaddr
@@ -966,7 +967,10 @@ cdef struct _Slot:
 
 cdef struct _Q:
     abi.aio_context_t ctx
-    int depth
+    int depth                   # most pieces in the kernel at once
+    int nslots                  # slots: 2 x depth, so that reaped pieces waiting for their
+                                # copy-out do not keep new pieces from the drive
+    int kin                     # pieces in the kernel (cut, not yet reaped)
     _Slot* slots
     int* free_slots
     int nfree
@@ -1155,7 +1159,7 @@ cdef int _cut_one(_Q* q, _Req* r) noexcept nogil:
     cdef uint64_t uaddr = 0, ulen = 0, skip = 0, span = 0, n
     cdef int64_t foff = 0
     cdef _Slot* sl
-    if q.nfree == 0 or r.stop:
+    if q.nfree == 0 or q.kin >= q.depth or r.stop:
         return -1
     while True:
         if r.stage == ST_HEAD:
@@ -1226,6 +1230,7 @@ cdef int _cut_one(_Q* q, _Req* r) noexcept nogil:
         q.nfreebuf -= 1
         b = q.free_bufs[q.nfreebuf]
     q.nfree -= 1
+    q.kin += 1
     s = q.free_slots[q.nfree]
     sl = &q.slots[s]
     memset(sl, 0, sizeof(_Slot))
@@ -1262,10 +1267,11 @@ cdef int _cut(_Q* q, int* out, int maxn) noexcept nogil:
     cdef int n = 0, k, scanned = 0
     cdef _Req* r = q.pend_head
     cdef _Req* nxt
-    if not q.overlap and q.inflight > 0:
+    if not q.overlap and q.kin > 0:
         return 0
     q.edge_blocked = False
-    while r != NULL and n < maxn and q.nfree > 0 and scanned < _BATCH:
+    while (r != NULL and n < maxn and q.nfree > 0 and q.kin < q.depth
+           and scanned < _BATCH):
         k = _cut_one(q, r)
         if k >= 0:
             out[n] = k
@@ -1388,7 +1394,14 @@ cdef void _launch(_Q* q, int* slots, int n) noexcept nogil:
         for j in range(cnt):
             sl = &q.slots[slots[base + j]]
             if sl.fresh and sl.kind == K_BWRITE:
+                if j > 0:               # what is ready goes first: the copy takes a while
+                    cnt = j
+                    break
                 memcpy(q.ring + <uint64_t>sl.buf * q.bufsize, <void*>sl.uaddr, sl.ulen)
+                sl.fresh = False
+                ptrs[j] = &sl.cb
+                cnt = 1
+                break
             sl.fresh = False
             ptrs[j] = &sl.cb
         i = 0
@@ -1413,6 +1426,7 @@ cdef void _launch(_Q* q, int* slots, int n) noexcept nogil:
                 return
             pt.pthread_mutex_lock(&q.mu)
             q.slots[<int>ptrs[i].aio_data].err = e
+            q.kin -= 1
             _account(q, <int>ptrs[i].aio_data)
             pt.pthread_mutex_unlock(&q.mu)
             i += 1
@@ -1448,12 +1462,12 @@ cdef int _q_reap(_Q* q, long timeout_ns) noexcept nogil:
     for i in range(nretry):
         launch[i] = q.retry[i]
     q.nretry = 0
-    n = nretry + _cut(q, launch + nretry, q.depth - nretry)
+    n = nretry + _cut(q, launch + nretry, q.nslots - nretry)
     pt.pthread_mutex_unlock(&q.mu)
     if n:
         _launch(q, launch, n)
     pt.pthread_mutex_lock(&q.mu)
-    submitted = q.inflight - q.nretry
+    submitted = q.kin - q.nretry
     if submitted <= 0:
         if q.edge_blocked or q.nretry:
             _timedwait(q, _EDGE_POLL_NS)
@@ -1468,25 +1482,56 @@ cdef int _q_reap(_Q* q, long timeout_ns) noexcept nogil:
         if errno == EINTR:
             return 0
         return errno
-    # pieces that go again fill `launch` from the front, finished ones from the back
+    # First what needs no copy: account it and refill at once, so the drive gets new work
+    # before this thread spends time copying; then each bounced read is copied out and its
+    # buffer refilled right away, one at a time.
     n = 0
     nfin = 0
     for k in range(ret):
         s = <int>q.events[k].data
-        if _complete(q, s, <int64_t>q.events[k].res):
-            launch[n] = s
+        if _copies_out(q, s, <int64_t>q.events[k].res):
+            launch[q.nslots - 1 - nfin] = s         # later, from the back
+            nfin += 1
+        elif _complete(q, s, <int64_t>q.events[k].res):
+            launch[n] = s                           # goes again (short or read-modify-write)
             n += 1
         else:
-            launch[q.depth - 1 - nfin] = s
-            nfin += 1
+            pt.pthread_mutex_lock(&q.mu)            # finished: its slot is free from here
+            _account(q, s)
+            pt.pthread_mutex_unlock(&q.mu)
     pt.pthread_mutex_lock(&q.mu)
-    for k in range(nfin):
-        _account(q, launch[q.depth - 1 - k])
-    n += _cut(q, launch + n, q.depth - n)
+    q.kin -= <int>ret - n                           # those going again stay in the kernel
+    n += _cut(q, launch + n, q.nslots - n - nfin)
     pt.pthread_mutex_unlock(&q.mu)
     if n:
         _launch(q, launch, n)
+    for k in range(nfin):
+        s = launch[q.nslots - 1 - k]
+        n = 0
+        if _complete(q, s, q.slots[s].parked):
+            pt.pthread_mutex_lock(&q.mu)
+            q.kin += 1
+            pt.pthread_mutex_unlock(&q.mu)
+            launch[0] = s
+            n = 1
+        else:
+            pt.pthread_mutex_lock(&q.mu)
+            _account(q, s)
+            n = _cut(q, launch, q.nslots - nfin)
+            pt.pthread_mutex_unlock(&q.mu)
+        if n:
+            _launch(q, launch, n)
     return 0
+
+
+cdef inline bint _copies_out(_Q* q, int s, int64_t res) noexcept nogil:
+    """Whether this completion copies into the caller's memory (a bounced or edge read);
+    its result is parked in the slot until then."""
+    cdef _Slot* sl = &q.slots[s]
+    if sl.kind == K_BREAD and res > 0:
+        sl.parked = res
+        return True
+    return False
 
 
 cdef bint _has_work(_Q* q) noexcept nogil:
@@ -1509,7 +1554,8 @@ cdef void _break(_Q* q, int e) noexcept nogil:
         abi.syscall(abi.SYS_io_destroy, q.ctx)
         q.ctx = 0
     q.nretry = 0
-    for s in range(q.depth):
+    q.kin = 0
+    for s in range(q.nslots):
         if q.slots[s].req != NULL:
             q.slots[s].err = e
             _account(q, s)
@@ -1651,21 +1697,22 @@ cdef class AioQueue:
         cdef int e = 0
         cdef abi.aio_context_t ctx = 0
         cdef pt.pthread_condattr_t attr
-        cdef int i
+        cdef int i, nslots
         if self._ready:
             raise RuntimeError("AioQueue is already initialised")
         if depth < 1 or depth > MAX_DEPTH:
             raise ValueError(f"queue depth must be in 1..{MAX_DEPTH}, got {depth}")
         q = &self.q
-        q.slots = <_Slot*>PyMem_RawMalloc(depth * sizeof(_Slot))
-        q.free_slots = <int*>PyMem_RawMalloc(depth * sizeof(int))
-        q.retry = <int*>PyMem_RawMalloc(depth * sizeof(int))
-        q.rscratch = <int*>PyMem_RawMalloc(depth * sizeof(int))
+        nslots = 2 * depth
+        q.slots = <_Slot*>PyMem_RawMalloc(nslots * sizeof(_Slot))
+        q.free_slots = <int*>PyMem_RawMalloc(nslots * sizeof(int))
+        q.retry = <int*>PyMem_RawMalloc(nslots * sizeof(int))
+        q.rscratch = <int*>PyMem_RawMalloc(nslots * sizeof(int))
         q.events = <abi.io_event*>PyMem_RawMalloc(depth * sizeof(abi.io_event))
         if not (q.slots and q.free_slots and q.retry and q.rscratch and q.events):
             self._free_arrays()
             raise MemoryError(f"cannot allocate an AIO queue of depth {depth}")
-        memset(q.slots, 0, depth * sizeof(_Slot))
+        memset(q.slots, 0, nslots * sizeof(_Slot))
         with nogil:
             ret = abi.syscall(abi.SYS_io_setup, <unsigned int>depth, &ctx)
             e = errno
@@ -1674,9 +1721,10 @@ cdef class AioQueue:
             _check(ret, e, f"io_setup({depth})", None, _aio_limits_hint(e))
         q.ctx = ctx
         q.depth = depth
-        for i in range(depth):
-            q.free_slots[i] = depth - 1 - i
-        q.nfree = depth
+        q.nslots = nslots
+        for i in range(nslots):
+            q.free_slots[i] = nslots - 1 - i
+        q.nfree = nslots
         q.single_submit = single_submit
         q.overlap = overlap_events
         pt.pthread_mutex_init(&q.mu, NULL)
@@ -2019,24 +2067,38 @@ cdef class AioQueue:
 
 
 def probe_writable(size_t address, size_t nbytes):
-    """Raise BufferError unless the first and last byte of the range can be written.
+    """Raise BufferError unless every page of the range can be written.
 
-    Copies each byte onto itself with process_vm_writev, which fails with EFAULT instead of
-    faulting: a tensor over a read-only mapping is refused before any I/O.
+    Copies one byte of each page onto itself with process_vm_writev (up to 1024 pages a
+    call), which fails with EFAULT instead of faulting: memory that is read-only anywhere
+    (a read-only mmap, an mprotect-ed page) is refused before any I/O, never crashes the
+    copy of a bounced read.
     """
-    cdef iovec iov
+    cdef iovec iov[1024]
     cdef long ret
-    cdef size_t a
+    cdef size_t a, end, page = PAGE_SIZE
+    cdef int n, e
     if nbytes == 0:
         return
-    for a in (address, address + nbytes - 1):
-        iov.iov_base = <void*>a
-        iov.iov_len = 1
-        ret = abi.syscall(abi.SYS_process_vm_writev, <long>getpid(), &iov, <long>1, &iov,
-                          <long>1, <long>0)
-        if ret < 0:
+    end = address + nbytes
+    a = address
+    while a < end:
+        n = 0
+        while a < end and n < 1024:
+            iov[n].iov_base = <void*>a
+            iov[n].iov_len = 1
+            n += 1
+            a = (a // page + 1) * page
+        with nogil:
+            ret = abi.syscall(abi.SYS_process_vm_writev, <long>getpid(), iov, <long>n, iov,
+                              <long>n, <long>0)
             e = errno
+        if ret < 0:
             if e == ENOSYS or e == EPERM:
                 return                      # no way to ask (seccomp): let the kernel decide
-            raise BufferError(f"the destination memory at {a:#x} is not writable "
-                              f"({os.strerror(e)}): a read needs writable memory")
+            raise BufferError(f"the destination memory in [{address:#x}, {end:#x}) is not "
+                              f"writable ({os.strerror(e)}): a read needs writable memory")
+        if ret < n:                         # stopped at the first page it could not write
+            bad = <size_t>iov[ret].iov_base
+            raise BufferError(f"the destination memory at {bad:#x} is not writable: a read "
+                              f"needs writable memory")

@@ -27,12 +27,13 @@ def ring_shape(block_size: int, queue_depth: int, cap: int | None = None) -> tup
     """``(buffer_bytes, buffers)`` of one lane's ring.
 
     Buffers are ``block_size`` rounded up to whole pages (at least one page, so any edge
-    block fits), ``queue_depth`` of them, capped at ``cap`` bytes in all (at least one).
+    block fits), ``2 * queue_depth`` of them (``queue_depth`` in the kernel while as many
+    wait for their copy), capped at ``cap`` bytes in all (at least one).
     """
     cap = DEFAULT_RING_CAP if cap is None else max(_PAGE, int(cap))
     buf = max(_PAGE, -(-block_size // _PAGE) * _PAGE)
     buf = min(buf, max(_PAGE, cap // _PAGE * _PAGE))
-    return buf, max(1, min(queue_depth, cap // buf))
+    return buf, max(1, min(2 * queue_depth, cap // buf))
 
 
 class Ring:

@@ -662,8 +662,6 @@ def test_read_into_readonly_mapping(tmp_path: Path) -> None:
     assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-3000:])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: probe_writable checks only the first and last "
-                   "byte; a read-only middle page makes the bounce copy SIGSEGV")
 def test_read_into_partly_readonly_mapping(tmp_path: Path) -> None:
     """Item 21, harder: only a middle page is read-only (first and last byte writable):
     still an error, never a crash in the bounce copy."""
