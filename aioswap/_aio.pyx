@@ -16,7 +16,7 @@ from cpython.buffer cimport (PyBUF_ANY_CONTIGUOUS, PyBUF_C_CONTIGUOUS, PyBUF_FOR
                              PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer)
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
-from libc.errno cimport EAGAIN, EINTR, EINVAL, EIO, EISDIR, ENOSYS, EPERM, errno
+from libc.errno cimport EAGAIN, EFAULT, EINTR, EINVAL, EIO, EISDIR, ENOSYS, EPERM, errno
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memset
 
@@ -1012,6 +1012,36 @@ cdef struct _Edge:
 DEF _NEDGES = 1024
 cdef _Edge _edges[_NEDGES]
 cdef pt.pthread_mutex_t _edge_mu
+cdef long _self_pid = getpid()
+cdef bint _vm_copy = True           # process_vm_* usable (not refused by seccomp)
+
+
+cdef int _copy_out(void* dst, const void* src, size_t n) noexcept nogil:
+    """Copy a bounced read from the ring into the caller's memory; 0, or EFAULT where its
+    pages cannot be written. The kernel copies (process_vm_writev on this process), so
+    memory that is read-only anywhere (a read-only mmap, an mprotect-ed page) fails this
+    piece with EFAULT instead of crashing the process; where the call is refused, memcpy."""
+    cdef iovec local, remote
+    cdef long ret
+    global _vm_copy
+    if n == 0:
+        return 0
+    if _vm_copy:
+        local.iov_base = <void*>src
+        remote.iov_base = dst
+        local.iov_len = n
+        remote.iov_len = n
+        ret = abi.syscall(abi.SYS_process_vm_writev, _self_pid, &local, <long>1, &remote,
+                          <long>1, <long>0)
+        if ret == <long>n:
+            return 0
+        if ret >= 0 or errno == EFAULT:
+            return EFAULT
+        if errno != ENOSYS and errno != EPERM:
+            return errno
+        _vm_copy = False
+    memcpy(dst, src, n)
+    return 0
 pt.pthread_mutex_init(&_edge_mu, NULL)
 memset(_edges, 0, sizeof(_edges))
 
@@ -1019,8 +1049,10 @@ memset(_edges, 0, sizeof(_edges))
 def _after_fork_in_child():
     """A child starts with no requests: the edge table is empty and its mutex fresh (another
     thread of the parent may have held it at fork())."""
+    global _self_pid
     pt.pthread_mutex_init(&_edge_mu, NULL)
     memset(_edges, 0, sizeof(_edges))
+    _self_pid = getpid()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -1355,7 +1387,7 @@ cdef bint _complete(_Q* q, int s, int64_t res) noexcept nogil:
                 return False
             _again(sl, res)
             return True
-        memcpy(<void*>sl.uaddr, buf + sl.skip, sl.ulen)
+        sl.err = _copy_out(<void*>sl.uaddr, buf + sl.skip, sl.ulen)
         return False
     # K_DIRECT, K_BWRITE, K_RMW_WRITE: all of span must move
     if got < sl.span:
@@ -2064,41 +2096,3 @@ cdef class AioQueue:
                 abi.syscall(abi.SYS_io_destroy, ctx)
         if self._ready:
             self._free_arrays()
-
-
-def probe_writable(size_t address, size_t nbytes):
-    """Raise BufferError unless every page of the range can be written.
-
-    Copies one byte of each page onto itself with process_vm_writev (up to 1024 pages a
-    call), which fails with EFAULT instead of faulting: memory that is read-only anywhere
-    (a read-only mmap, an mprotect-ed page) is refused before any I/O, never crashes the
-    copy of a bounced read.
-    """
-    cdef iovec iov[1024]
-    cdef long ret
-    cdef size_t a, end, page = PAGE_SIZE
-    cdef int n, e
-    if nbytes == 0:
-        return
-    end = address + nbytes
-    a = address
-    while a < end:
-        n = 0
-        while a < end and n < 1024:
-            iov[n].iov_base = <void*>a
-            iov[n].iov_len = 1
-            n += 1
-            a = (a // page + 1) * page
-        with nogil:
-            ret = abi.syscall(abi.SYS_process_vm_writev, <long>getpid(), iov, <long>n, iov,
-                              <long>n, <long>0)
-            e = errno
-        if ret < 0:
-            if e == ENOSYS or e == EPERM:
-                return                      # no way to ask (seccomp): let the kernel decide
-            raise BufferError(f"the destination memory in [{address:#x}, {end:#x}) is not "
-                              f"writable ({os.strerror(e)}): a read needs writable memory")
-        if ret < n:                         # stopped at the first page it could not write
-            bad = <size_t>iov[ret].iov_base
-            raise BufferError(f"the destination memory at {bad:#x} is not writable: a read "
-                              f"needs writable memory")

@@ -42,6 +42,7 @@ cdef extern from "<sys/syscall.h>" nogil:
     long SYS_io_getevents
     long SYS_statx
     long SYS_process_vm_writev
+    long SYS_process_vm_readv
 
 
 cdef extern from "<unistd.h>" nogil:

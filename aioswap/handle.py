@@ -802,14 +802,6 @@ class AioHandle:
         middle = n - edges
         direct = (middle > 0 and (mem.address + head) % f.mem_align == 0
                   and (held or pinned.is_pinned((mem.address + head, middle))))
-        if not req.write and (edges or not direct):
-            # the engine copies into this memory itself: a read-only mapping must be an
-            # error here, not a fault in the copy
-            try:
-                _aio.probe_writable(mem.address, n)
-            except BufferError as exc:
-                raise ValueError(f"read of {n} bytes from {f.name} into memory that is not "
-                                 f"writable: {exc}") from None
         return (_aio.MODE_DIRECT if direct else _aio.MODE_BOUNCE), edges, middle
 
     def _count_paths(self, mode: int, edges: int, middle: int) -> None:
