@@ -786,6 +786,7 @@ def test_no_leaks_after_10000_operations(tmp_dir, align):
     assert _aio_nr_back_to(nr) <= nr
 
 
+@pytest.mark.slow
 def test_no_leaks_after_many_contexts():
     gc.collect()
     fds, rings, nr = _open_fds(), _aio_rings(), _aio_nr()
@@ -1057,6 +1058,7 @@ def test_locked_memory_basics():
 
 # --------------------------------------------------------------------------- benchmark smoke
 
+@pytest.mark.slow
 def test_bench_engine_smoke(tmp_dir):
     before = set(tmp_dir.iterdir())
     proc = subprocess.run(

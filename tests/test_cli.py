@@ -559,6 +559,7 @@ def tune_quick(d: Path, logs: Path, *extra: str | Path) -> subprocess.CompletedP
                    "--log-dir", logs, "--no-progress", *extra)
 
 
+@pytest.mark.slow
 def test_tune_end_to_end(disk: Path, tmp_path: Path) -> None:
     """tune on a real file: table, best section, one log per point."""
     logs, out_file = tmp_path / "logs", tmp_path / "best.json"
@@ -584,6 +585,7 @@ def test_tune_end_to_end(disk: Path, tmp_path: Path) -> None:
     assert listing(disk) == before  # scratch files removed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag, measured", [("--no-read", "write"), ("--no-write", "read")])
 def test_tune_one_direction(disk: Path, tmp_path: Path, flag: str, measured: str) -> None:
     logs = tmp_path / "logs"
@@ -614,6 +616,7 @@ def test_tune_in_process(disk: Path, tmp_path: Path, capsys: pytest.CaptureFixtu
     assert listing(disk) == []
 
 
+@pytest.mark.slow
 def test_tune_plot(disk: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "sweep.png"

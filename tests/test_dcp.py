@@ -291,6 +291,7 @@ def test_files_and_modes(saved: dict[str, Path]) -> None:
             assert (md.storage_data[index].offset + data_offset) % 4096 == 0, index
 
 
+@pytest.mark.slow
 def test_sigkill_mid_save_keeps_previous(saved: dict[str, Path]) -> None:
     """Rank 1 is SIGKILLed with its writes in flight while 2 ranks overwrite a committed
     checkpoint: the previous checkpoint still loads, bytes equal; the next save cleans up."""
@@ -447,6 +448,7 @@ def test_truncated_file_raises(tmp_dir: Path) -> None:
     assert f"{data} is 4096 bytes" in repr(info.value.failures), info.value.failures
 
 
+@pytest.mark.slow
 def test_bench_dcp_smoke(tmp_dir: Path) -> None:
     """benchmarks/bench_dcp.py at a tiny size, 1 and 2 ranks: a table, no files left."""
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_dcp.py"), "--dir",

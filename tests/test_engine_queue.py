@@ -567,6 +567,7 @@ def test_ramfs_falls_back_with_one_warning(ramfs: Path) -> None:
 
 
 # ------------------------------------------------------------------ benchmark smoke
+@pytest.mark.slow
 def test_bench_small_io_smoke(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_small_io.py"),
                         "--dir", str(tmp_path)], capture_output=True, text=True,

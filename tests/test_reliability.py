@@ -437,6 +437,7 @@ def test_fork_child_gets_clear_error(tmp_path: Path) -> None:
     assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
 
 
+@pytest.mark.slow
 def test_close_races_async_requests(tmp_path: Path) -> None:
     """Item 9, async side: submissions racing close() either raise HandleClosedError or
     give a future that finishes; close() returns; no future is left pending."""

@@ -278,6 +278,7 @@ _PACK_CRASH_CHILD = """
 """
 
 
+@pytest.mark.slow
 def test_sigkill_during_packed_save_keeps_one_whole_dict(tmp_dir: Path) -> None:
     d = tmp_dir / "crash"
     code = textwrap.dedent(_PACK_CRASH_CHILD)

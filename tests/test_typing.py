@@ -55,6 +55,7 @@ def test_private_import_check_catches_one(tmp_path: Path) -> None:
         fake.unlink()
 
 
+@pytest.mark.slow
 def test_stubs_match_the_extensions() -> None:
     """``mypy.stubtest``: the .pyi files describe what the extensions export."""
     pytest.importorskip("mypy")
