@@ -691,6 +691,95 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 cdef size_t _HUGE = 2 << 20
 
+# Locked mappings of 4 MiB and more that were freed, kept (still locked and faulted in) for
+# the next allocation of the same size: a swap-in or a checkpoint load allocates what the
+# last one freed, and fresh memory costs a page fault per page (on VMs whose host backs
+# guest RAM lazily, ~0.5 GB/s: slower than the drive). Bounded; set_locked_cache(0) turns
+# it off. The GIL guards it (LockedMemory is made and freed with the GIL held).
+cdef struct _Cached:
+    void* addr
+    size_t mapped
+
+DEF _NCACHE = 256
+cdef _Cached _cache[_NCACHE]
+cdef int _ncache = 0
+cdef size_t _cache_bytes = 0
+cdef size_t _cache_cap = 2 << 30
+
+
+def set_locked_cache(size_t nbytes):
+    """Most bytes of freed locked memory kept for reuse (default 2 GiB; 0: none). Returns
+    the previous cap; shrinking unmaps what no longer fits."""
+    global _cache_cap
+    old = _cache_cap
+    _cache_cap = nbytes
+    _trim_cache(nbytes)
+    return old
+
+
+def locked_cache_bytes():
+    """Bytes of freed locked memory kept for reuse now."""
+    return _cache_bytes
+
+
+cdef void _trim_cache(size_t cap) noexcept:
+    global _ncache, _cache_bytes
+    cdef void* addr
+    cdef size_t mapped
+    while _ncache and _cache_bytes > cap:
+        _ncache -= 1
+        addr = _cache[_ncache].addr
+        mapped = _cache[_ncache].mapped
+        _cache_bytes -= mapped
+        with nogil:
+            munlock(addr, mapped)
+            munmap(addr, mapped)
+
+
+cdef void* _cache_take(size_t mapped) noexcept:
+    """A kept locked mapping of exactly ``mapped`` bytes, or NULL."""
+    global _ncache, _cache_bytes
+    cdef int i
+    cdef void* addr
+    for i in range(_ncache - 1, -1, -1):
+        if _cache[i].mapped == mapped:
+            addr = _cache[i].addr
+            _ncache -= 1
+            _cache[i] = _cache[_ncache]
+            _cache_bytes -= mapped
+            return addr
+    return NULL
+
+
+cdef bint _cache_put(void* addr, size_t mapped) noexcept:
+    """Keep a freed locked mapping; False when it does not fit (the caller unmaps it)."""
+    global _ncache, _cache_bytes
+    if mapped < 2 * _HUGE or _cache_cap == 0:
+        return False
+    while _ncache and (_ncache == _NCACHE or _cache_bytes + mapped > _cache_cap):
+        _ncache -= 1                            # the oldest goes first
+        _cache_bytes -= _cache[0].mapped
+        with nogil:
+            munlock(_cache[0].addr, _cache[0].mapped)
+            munmap(_cache[0].addr, _cache[0].mapped)
+        _cache[0] = _cache[_ncache]
+    if _cache_bytes + mapped > _cache_cap:
+        return False
+    _cache[_ncache].addr = addr
+    _cache[_ncache].mapped = mapped
+    _ncache += 1
+    _cache_bytes += mapped
+    return True
+
+
+def _forget_cache_after_fork():
+    """A child inherits the parent's kept mappings unlocked (mlock is not inherited)."""
+    global _ncache, _cache_bytes
+    while _ncache:
+        _ncache -= 1
+        munmap(_cache[_ncache].addr, _cache[_ncache].mapped)
+    _cache_bytes = 0
+
 
 cdef void* _map(size_t mapped) noexcept nogil:
     """Anonymous memory; from 4 MiB on, 2 MiB aligned and advised MADV_HUGEPAGE.
@@ -760,6 +849,14 @@ cdef class LockedMemory:
         if nbytes <= 0:
             raise ValueError(f"LockedMemory needs a positive size, got {nbytes}")
         mapped = ((<size_t>nbytes + page - 1) // page) * page
+        if lock and mapped >= 2 * _HUGE:
+            addr = _cache_take(mapped)
+            if addr != NULL:
+                self._addr = addr
+                self._nbytes = <size_t>nbytes
+                self._mapped = mapped
+                self._locked = True
+                return
         with nogil:
             addr = _map(mapped)
             if addr == MAP_FAILED:
@@ -844,6 +941,8 @@ cdef class LockedMemory:
         if addr == NULL:
             return
         self._addr = NULL
+        if locked and _cache_put(addr, mapped):
+            return
         with nogil:
             if locked:
                 munlock(addr, mapped)
@@ -1053,6 +1152,7 @@ def _after_fork_in_child():
     pt.pthread_mutex_init(&_edge_mu, NULL)
     memset(_edges, 0, sizeof(_edges))
     _self_pid = getpid()
+    _forget_cache_after_fork()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
