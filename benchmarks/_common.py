@@ -248,3 +248,26 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *,
     print(f"({UNITS_NOTE})", file=out)
     for n in notes:
         print(f"note: {n}", file=out)
+
+
+def gpt_shapes(layers: int, hidden: int, ffn: int | None = None,
+               kinds: Sequence[str] = ("param", "exp_avg", "exp_avg_sq")
+               ) -> dict[str, tuple[int, ...]]:
+    """The GPT-like state dict the issues measure: per layer q/k/v/o, fc1/fc2 (``ffn``,
+    default 4 x hidden), their biases and two layer norms, each once per optimizer ``kind``
+    (12 layers, hidden 1024: 576 tensors from 4 KiB to 16 MiB, 1.69 GiB in float32)."""
+    ffn = 4 * hidden if ffn is None else ffn
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(layers):
+        p = f"layers.{i}."
+        for m in ("q", "k", "v", "o"):
+            shapes[p + f"attn.{m}_proj.weight"] = (hidden, hidden)
+            shapes[p + f"attn.{m}_proj.bias"] = (hidden,)
+        shapes[p + "mlp.fc1.weight"] = (ffn, hidden)
+        shapes[p + "mlp.fc1.bias"] = (ffn,)
+        shapes[p + "mlp.fc2.weight"] = (hidden, ffn)
+        shapes[p + "mlp.fc2.bias"] = (hidden,)
+        for ln in ("ln1", "ln2"):
+            shapes[p + f"{ln}.weight"] = (hidden,)
+            shapes[p + f"{ln}.bias"] = (hidden,)
+    return {f"{kind}.{name}": shape for kind in kinds for name, shape in shapes.items()}

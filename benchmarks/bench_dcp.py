@@ -43,27 +43,13 @@ from typing import Any
 import torch
 
 from _common import drop_cache as _drop_cache
-from _common import format_size
+from _common import format_size, gpt_shapes
 
 METHODS = ("aioswap", "stock", "stock, N threads")
 
 
 def shapes_of(layers: int, hidden: int) -> dict[str, tuple[int, ...]]:
-    shapes: dict[str, tuple[int, ...]] = {}
-    for i in range(layers):
-        p = f"layers.{i}."
-        for m in ("q", "k", "v", "o"):
-            shapes[p + f"attn.{m}_proj.weight"] = (hidden, hidden)
-            shapes[p + f"attn.{m}_proj.bias"] = (hidden,)
-        shapes[p + "mlp.fc1.weight"] = (4 * hidden, hidden)
-        shapes[p + "mlp.fc1.bias"] = (4 * hidden,)
-        shapes[p + "mlp.fc2.weight"] = (hidden, 4 * hidden)
-        shapes[p + "mlp.fc2.bias"] = (hidden,)
-        for ln in ("ln1", "ln2"):
-            shapes[p + f"{ln}.weight"] = (hidden,)
-            shapes[p + f"{ln}.bias"] = (hidden,)
-    return {f"{kind}.{name}": shape for kind in ("param", "exp_avg", "exp_avg_sq")
-            for name, shape in shapes.items()}
+    return gpt_shapes(layers, hidden)
 
 
 def state_dict(layers: int, hidden: int, rank: int, world: int) -> dict[str, torch.Tensor]:

@@ -43,7 +43,7 @@ import aioswap
 import aioswap.safetensors as ast
 from aioswap import pinned
 from _common import drop_cache as _drop_cache
-from _common import format_size
+from _common import format_size, gpt_shapes
 
 try:
     import safetensors.torch as st
@@ -62,32 +62,16 @@ def drop_cache(path: str, how: str) -> None:
 
 def state_dict(layers: int, hidden: int) -> dict[str, torch.Tensor]:
     """16 tensors per layer, each as param, exp_avg and exp_avg_sq; random bytes."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for i in range(layers):
-        p = f"layers.{i}."
-        for m in ("q", "k", "v", "o"):
-            shapes[p + f"attn.{m}_proj.weight"] = (hidden, hidden)
-            shapes[p + f"attn.{m}_proj.bias"] = (hidden,)
-        shapes[p + "mlp.fc1.weight"] = (4 * hidden, hidden)
-        shapes[p + "mlp.fc1.bias"] = (4 * hidden,)
-        shapes[p + "mlp.fc2.weight"] = (hidden, 4 * hidden)
-        shapes[p + "mlp.fc2.bias"] = (hidden,)
-        for ln in ("ln1", "ln2"):
-            shapes[p + f"{ln}.weight"] = (hidden,)
-            shapes[p + f"{ln}.bias"] = (hidden,)
     noise = torch.frombuffer(bytearray(os.urandom(1 << 20)), dtype=torch.uint8)
     sd: dict[str, torch.Tensor] = {}
-    k = 0
-    for kind in ("param", "exp_avg", "exp_avg_sq"):
-        for name, shape in shapes.items():
-            t = torch.empty(shape, dtype=torch.float32)
-            raw = t.view(-1).view(torch.uint8)
-            for s in range(0, raw.numel(), noise.numel()):
-                n = min(noise.numel(), raw.numel() - s)
-                raw[s:s + n].copy_(noise[:n])
-            raw[:4].copy_(torch.tensor(list(k.to_bytes(4, "little")), dtype=torch.uint8))
-            k += 1
-            sd[f"{kind}.{name}"] = t
+    for k, (name, shape) in enumerate(gpt_shapes(layers, hidden).items()):
+        t = torch.empty(shape, dtype=torch.float32)
+        raw = t.view(-1).view(torch.uint8)
+        for s in range(0, raw.numel(), noise.numel()):
+            n = min(noise.numel(), raw.numel() - s)
+            raw[s:s + n].copy_(noise[:n])
+        raw[:4].copy_(torch.tensor(list(k.to_bytes(4, "little")), dtype=torch.uint8))
+        sd[name] = t
     return sd
 
 
