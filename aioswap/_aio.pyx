@@ -994,9 +994,14 @@ cdef enum:
     ST_FSYNC = 3
     ST_DONE = 4
 
-MODE_DIRECT = 0     # pieces on the caller's memory, O_DIRECT alignment applies
-MODE_BOUNCE = 1     # every piece through the ring
-MODE_PLAIN = 2      # a buffered fd: no alignment, no ring
+cdef enum:
+    M_DIRECT = 0        # pieces on the caller's memory, O_DIRECT alignment applies
+    M_BOUNCE = 1        # every piece through the ring
+    M_PLAIN = 2         # a buffered fd: no alignment, no ring
+
+MODE_DIRECT = M_DIRECT
+MODE_BOUNCE = M_BOUNCE
+MODE_PLAIN = M_PLAIN
 
 # Most pieces one call cuts and submits; bounds stack arrays of submitters.
 DEF _BATCH = 64
@@ -1313,7 +1318,7 @@ cdef int _cut_one(_Q* q, _Req* r) noexcept nogil:
                 r.stage = ST_TAIL
                 continue
             n = r.tail_start - r.pos
-            if r.mode == 1:             # MODE_BOUNCE
+            if r.mode == M_BOUNCE:
                 if n > r.bblock:
                     n = r.bblock
                 kind = K_BWRITE if write else K_BREAD
@@ -1960,19 +1965,19 @@ cdef class AioQueue:
         cdef uint64_t te, hs
         cdef bint edges
         self._check()
-        if mode < 0 or mode > 2:
+        if mode != M_DIRECT and mode != M_BOUNCE and mode != M_PLAIN:
             raise ValueError(f"bad mode {mode}")
         if offset < 0:
             raise ValueError(f"negative file offset {offset}")
-        if mode == 2:
+        if mode == M_PLAIN:
             align = 1
         if align < 1 or block < align or block % align:
             raise ValueError(f"block {block} must be a positive multiple of the alignment "
                              f"{align}")
         hs = <uint64_t>offset % align
         te = (<uint64_t>offset + nbytes) % align
-        edges = mode != 2 and nbytes > 0 and (hs != 0 or te != 0)
-        if (edges or (mode == 1 and nbytes > 0)) and self.q.nbuf == 0:
+        edges = mode != M_PLAIN and nbytes > 0 and (hs != 0 or te != 0)
+        if (edges or (mode == M_BOUNCE and nbytes > 0)) and self.q.nbuf == 0:
             raise RuntimeError("this request needs bounce buffers: attach_ring() first")
         if edges and <uint64_t>self.q.bufsize < align:
             raise ValueError(f"ring buffers of {self.q.bufsize} bytes are smaller than the "
@@ -1992,11 +1997,11 @@ cdef class AioQueue:
         r.align = align
         r.block = block
         r.bblock = block
-        if mode != 2 and self.q.nbuf and r.bblock > self.q.bufsize:
+        if mode != M_PLAIN and self.q.nbuf and r.bblock > self.q.bufsize:
             r.bblock = self.q.bufsize // align * align
         r.fsync = fsync and write
         r.sync = sync
-        if mode == 2:
+        if mode == M_PLAIN:
             r.head_end = 0
             r.tail_start = nbytes
         else:
@@ -2052,7 +2057,7 @@ cdef class AioQueue:
         cdef long ret
         cdef uint64_t done = 0
         cdef int e = 0
-        if (mode != 1 and not fsync and 0 < nbytes <= block and self._ready
+        if (mode != M_BOUNCE and not fsync and 0 < nbytes <= block and self._ready
                 and self._pid == getpid() and <uint64_t>offset % align == 0
                 and nbytes % align == 0):
             with nogil:

@@ -1099,8 +1099,10 @@ class AioHandle:
                 # nothing reached the queue: the request ends here, with this error
                 self._forget_failed(token)
                 raise
-            # some slices run: the future fails with this error once they are done
-            with token.lock or _NOLOCK:
+            # some slices run (so there are several, and a lock): the future fails with this
+            # error once they are done
+            assert token.lock is not None
+            with token.lock:
                 token.errors.append(exc)
                 token.parts -= len(slices) - queued
                 last = token.parts == 0
@@ -1172,17 +1174,6 @@ def _drain(subs: Sequence[tuple[_Lane, int]]) -> None:
         lane.queue.cancel(rid)
     for lane, rid in subs:
         lane.queue.drain(rid)
-
-
-class _NoLock:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NOLOCK = _NoLock()
 
 
 def _flat_bytes(t: Any) -> Any:
