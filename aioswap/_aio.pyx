@@ -1999,6 +1999,10 @@ cdef class AioQueue:
         r.bblock = block
         if mode != M_PLAIN and self.q.nbuf and r.bblock > self.q.bufsize:
             r.bblock = self.q.bufsize // align * align
+            if r.bblock == 0:
+                PyMem_RawFree(r)
+                raise ValueError(f"ring buffers of {self.q.bufsize} bytes are smaller than "
+                                 f"the alignment {align}")
         r.fsync = fsync and write
         r.sync = sync
         if mode == M_PLAIN:
@@ -2057,9 +2061,21 @@ cdef class AioQueue:
         cdef long ret
         cdef uint64_t done = 0
         cdef int e = 0
+        cdef _FileCore* core = NULL
         if (mode != M_BOUNCE and not fsync and 0 < nbytes <= block and self._ready
                 and self._pid == getpid() and <uint64_t>offset % align == 0
                 and nbytes % align == 0):
+            if write and file is not None:
+                # a write in flight, like the queued ones: a padded edge block of another
+                # request is never cut back below its end
+                core = &file.core
+                pt.pthread_mutex_lock(&_edge_mu)
+                if core.active_writes == 0:
+                    core.logical_end = 0
+                if offset + <int64_t>nbytes > core.logical_end:
+                    core.logical_end = offset + <int64_t>nbytes
+                core.active_writes += 1
+                pt.pthread_mutex_unlock(&_edge_mu)
             with nogil:
                 while done < nbytes:
                     if write:
@@ -2078,6 +2094,10 @@ cdef class AioQueue:
                             e = EIO
                         break
                     done += <uint64_t>ret
+                if core != NULL:
+                    pt.pthread_mutex_lock(&_edge_mu)
+                    core.active_writes -= 1
+                    pt.pthread_mutex_unlock(&_edge_mu)
             if e:
                 return (done, e, offset + <int64_t>done, nbytes - done, False)
             if done < nbytes:
