@@ -18,7 +18,7 @@ __all__ = ["DEFAULT_RING_CAP", "Ring", "ring_shape"]
 
 _log = logging.getLogger("aioswap")
 
-#: Most bytes one lane's ring may hold, whatever ``queue_depth * block_size`` says.
+#: Most bytes one lane's ring may hold, whatever ``2 * queue_depth * block_size`` says.
 DEFAULT_RING_CAP = 64 << 20
 _PAGE = 4096
 

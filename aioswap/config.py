@@ -353,7 +353,7 @@ ENVIRONMENT: tuple[tuple[str, str, str, str], ...] = (
     ("AIOSWAP_BUFFERED", "compat mode: serve every file with buffered I/O, no O_DIRECT",
      "0/1, true/false", "0"),
     ("AIOSWAP_POOL_SIZE", "bytes of a handle's bounce pool", "size (64M)",
-     "queue_depth x block_size"),
+     "min(2 x queue_depth x block_size, 64M)"),
     ("AIOSWAP_LOG_LEVEL", "level of the 'aioswap' logger", "DEBUG, INFO, WARNING, ERROR",
      "unset (logging's default)"),
     ("AIOSWAP_DEEPSPEED", "install the DeepSpeed op builders at interpreter start", "0/1", "0"),

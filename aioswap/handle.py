@@ -253,7 +253,7 @@ class AioHandle:
     intra_op_parallelism : int
         Lanes (kernel contexts) a large request is split across in contiguous slices.
     bounce_bytes : int, optional
-        Most bytes of one lane's bounce ring; default ``min(queue_depth * block_size,
+        Most bytes of one lane's bounce ring; default ``min(2 * queue_depth * block_size,
         64 MiB)`` (buffers of ``block_size`` rounded up to pages; at least one).
     device_transport : DeviceTransport, optional
         What moves contiguous CUDA tensors (``GdsHandle`` passes cuFile); without one they
