@@ -530,3 +530,44 @@ def test_partial_read_into_noncontiguous_buffers(tmp_path, handle):
     assert a.tobytes()[:400] == ref[:400] and not a[100:].any()
     with pytest.raises(ValueError, match="whole elements"):
         handle.pread(t, f, nbytes=401)
+
+
+def test_knobs_from_the_environment(tmp_path, monkeypatch):
+    """Knobs left out come from AIOSWAP_*; AIOSWAP_BUFFERED serves files without O_DIRECT."""
+    monkeypatch.setenv("AIOSWAP_QUEUE_DEPTH", "7")
+    monkeypatch.setenv("AIOSWAP_BLOCK_SIZE", "256K")
+    monkeypatch.setenv("AIOSWAP_POOL_SIZE", "1M")
+    monkeypatch.setenv("AIOSWAP_BUFFERED", "1")
+    f = tmp_path / "env.bin"
+    t = _random_tensor(MiB + 5, torch.uint8, locked=True)
+    with aioswap.AioHandle() as h:
+        assert (h.queue_depth, h.block_size, h.bounce_pool_bytes) == (7, 256 * 1024, MiB)
+        assert h.pwrite(t, f, 3) == t.numel()
+        out = torch.empty_like(t)
+        assert h.pread(out, f, 3) == t.numel()
+        assert h.stats.buffered_bytes == 2 * t.numel() and h.stats.direct_bytes == 0
+    assert torch.equal(out, t)
+    with aioswap.AioHandle(queue_depth=3) as h:          # a knob given wins
+        assert h.queue_depth == 3
+
+
+def test_freed_locked_memory_is_reused():
+    """Locked mappings of 4 MiB+ are kept for the next allocation of that size (bounded)."""
+    from aioswap import _aio
+    old = _aio.set_locked_cache(64 * MiB)
+    try:
+        before = _aio.locked_cache_bytes()
+        m = _aio.LockedMemory(8 * MiB)
+        addr = m.address
+        m.close()
+        assert _aio.locked_cache_bytes() == before + 8 * MiB
+        again = _aio.LockedMemory(8 * MiB)
+        assert again.address == addr and again.locked
+        again.close()
+        _aio.set_locked_cache(0)                          # shrinking unmaps what is kept
+        assert _aio.locked_cache_bytes() == 0
+        small = _aio.LockedMemory(MiB)                    # under 4 MiB: never kept
+        small.close()
+        assert _aio.locked_cache_bytes() == 0
+    finally:
+        _aio.set_locked_cache(old)
