@@ -300,7 +300,7 @@ class SwapDirectory:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             raise SwapError(f"{who}: its data file {path!r} is missing") from None
-        except OSError as exc:
+        except OSError:
             if os.path.islink(path):
                 raise SwapError(f"{who}: its data file {path!r} was replaced by a symbolic "
                                 f"link; aioswap never follows links for data files") from None

@@ -561,8 +561,8 @@ def _format_bench(res: dict[str, Any]) -> str:
         + ("" if c["overlap_events"] else ", no overlap"),
         f"{res['repeat']} round(s) after {res['warmup']} warm-up, methods alternating; "
         f"{res['writes']}; {res['cache']}",
-        f"GB/s = 10^9 bytes/s, median of the rounds (min-max in brackets); "
-        f"ratio = aioswap / python buffered (bigger is better)",
+        "GB/s = 10^9 bytes/s, median of the rounds (min-max in brackets); "
+        "ratio = aioswap / python buffered (bigger is better)",
         "",
     ]
     ops = res["ops"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -55,7 +56,8 @@ def main(argv=None) -> int:
         print("no CUDA device: torch.cuda.is_available() is False")
         return 2
     size = a.size
-    path = os.path.join(a.dir, f".aioswap-gpu-check-{os.getpid()}.bin")
+    fd, path = tempfile.mkstemp(prefix=".aioswap-gpu-check-", suffix=".bin", dir=a.dir)
+    os.close(fd)                # a unique name made with O_EXCL, mode 0600
     print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; "
           f"size {format_size(size)}")
     rows, failures, notes = [], [], []
@@ -75,7 +77,6 @@ def main(argv=None) -> int:
         if not torch.equal(hs, hd):
             failures.append("cpu direct")
         os.unlink(path)
-        del hs, hd
         # CUDA through the bounce pool
         round_trip("CUDA bounce (AioHandle)", h, src, dst, path, size, rows, failures)
         odd = src[: size - 3]
