@@ -271,3 +271,23 @@ def gpt_shapes(layers: int, hidden: int, ffn: int | None = None,
             shapes[p + f"{ln}.weight"] = (hidden,)
             shapes[p + f"{ln}.bias"] = (hidden,)
     return {f"{kind}.{name}": shape for kind in kinds for name, shape in shapes.items()}
+
+
+def gpt_state_dict(layers: int, hidden: int, rank: int = 0, world: int = 1) -> dict[str, Any]:
+    """:func:`gpt_shapes` as float32 tensors of random bytes (every tensor distinct: its
+    index in its first 4 bytes); with ``world`` > 1, this rank's round-robin share."""
+    import torch
+
+    noise = torch.frombuffer(bytearray(os.urandom(1 << 20)), dtype=torch.uint8)
+    sd: dict[str, Any] = {}
+    for k, (name, shape) in enumerate(gpt_shapes(layers, hidden).items()):
+        if k % world != rank:
+            continue
+        t = torch.empty(shape, dtype=torch.float32)
+        raw = t.view(-1).view(torch.uint8)
+        for s in range(0, raw.numel(), noise.numel()):
+            n = min(noise.numel(), raw.numel() - s)
+            raw[s:s + n].copy_(noise[:n])
+        raw[:4].copy_(torch.tensor(list(k.to_bytes(4, "little")), dtype=torch.uint8))
+        sd[name] = t
+    return sd

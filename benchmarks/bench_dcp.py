@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from _common import drop_cache as _drop_cache
-from _common import format_size, gpt_shapes
+from _common import format_size, gpt_shapes, gpt_state_dict
 
 METHODS = ("aioswap", "stock", "stock, N threads")
 
@@ -54,19 +54,7 @@ def shapes_of(layers: int, hidden: int) -> dict[str, tuple[int, ...]]:
 
 def state_dict(layers: int, hidden: int, rank: int, world: int) -> dict[str, torch.Tensor]:
     """This rank's share (round-robin) of the GPT-like dict; random bytes."""
-    noise = torch.frombuffer(bytearray(os.urandom(1 << 20)), dtype=torch.uint8)
-    sd: dict[str, torch.Tensor] = {}
-    for k, (name, shape) in enumerate(shapes_of(layers, hidden).items()):
-        if k % world != rank:
-            continue
-        t = torch.empty(shape, dtype=torch.float32)
-        raw = t.view(-1).view(torch.uint8)
-        for s in range(0, raw.numel(), noise.numel()):
-            n = min(noise.numel(), raw.numel() - s)
-            raw[s:s + n].copy_(noise[:n])
-        raw[:4].copy_(torch.tensor(list(k.to_bytes(4, "little")), dtype=torch.uint8))
-        sd[name] = t
-    return sd
+    return gpt_state_dict(layers, hidden, rank, world)
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

@@ -43,7 +43,7 @@ import aioswap
 import aioswap.safetensors as ast
 from aioswap import pinned
 from _common import drop_cache as _drop_cache
-from _common import format_size, gpt_shapes
+from _common import format_size, gpt_state_dict
 
 try:
     import safetensors.torch as st
@@ -62,17 +62,7 @@ def drop_cache(path: str, how: str) -> None:
 
 def state_dict(layers: int, hidden: int) -> dict[str, torch.Tensor]:
     """16 tensors per layer, each as param, exp_avg and exp_avg_sq; random bytes."""
-    noise = torch.frombuffer(bytearray(os.urandom(1 << 20)), dtype=torch.uint8)
-    sd: dict[str, torch.Tensor] = {}
-    for k, (name, shape) in enumerate(gpt_shapes(layers, hidden).items()):
-        t = torch.empty(shape, dtype=torch.float32)
-        raw = t.view(-1).view(torch.uint8)
-        for s in range(0, raw.numel(), noise.numel()):
-            n = min(noise.numel(), raw.numel() - s)
-            raw[s:s + n].copy_(noise[:n])
-        raw[:4].copy_(torch.tensor(list(k.to_bytes(4, "little")), dtype=torch.uint8))
-        sd[name] = t
-    return sd
+    return gpt_state_dict(layers, hidden)
 
 
 def touch(tensors: Any) -> None:

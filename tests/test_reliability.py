@@ -17,6 +17,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -347,6 +348,27 @@ def test_two_threads_wait(big_file: tuple[Path, np.ndarray]) -> None:
         assert np.array_equal(dst.numpy(), data[1:1 + n * chunk])
 
 
+def _race_close(h: aioswap.AioHandle, worker: Callable[[int], None], threads: int,
+                close_timeout: float) -> None:
+    """Start ``threads`` workers (they wait for ``go``), close ``h`` under them, and check
+    that close() returns and every worker ends."""
+    ts = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(threads)]
+    for t in ts:
+        t.start()
+    _RACE_GO.set()
+    time.sleep(0.3)
+    closer = threading.Thread(target=h.close, daemon=True)
+    closer.start()
+    closer.join(close_timeout)
+    assert not closer.is_alive(), "close() hung"
+    for t in ts:
+        t.join(30)
+    assert not any(t.is_alive() for t in ts), "a request hung across close()"
+
+
+_RACE_GO = threading.Event()
+
+
 def test_close_races_sync_requests(tmp_path: Path) -> None:
     """Item 9: close() while threads run sync requests: each completes or gets
     HandleClosedError; nothing hangs."""
@@ -354,12 +376,12 @@ def test_close_races_sync_requests(tmp_path: Path) -> None:
     h = aioswap.AioHandle(block_size=64 << 10, queue_depth=4)
     errors: list[BaseException] = []
     done = [0] * 6
-    go = threading.Event()
+    _RACE_GO.clear()
 
     def worker(k: int) -> None:
         buf = torch.empty(2 * MiB + 7, dtype=torch.uint8)
         out = tmp_path / f"out{k}.bin"
-        go.wait()
+        _RACE_GO.wait()
         try:
             for i in range(10_000):
                 off = (i * 4097 + k) % (6 * MiB)
@@ -373,18 +395,7 @@ def test_close_races_sync_requests(tmp_path: Path) -> None:
         except BaseException as exc:      # anything else is a failure
             errors.append(exc)
 
-    ts = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(6)]
-    for t in ts:
-        t.start()
-    go.set()
-    time.sleep(0.3)
-    closer = threading.Thread(target=h.close, daemon=True)
-    closer.start()
-    closer.join(30)
-    assert not closer.is_alive(), "close() hung"
-    for t in ts:
-        t.join(30)
-    assert not any(t.is_alive() for t in ts), "a request hung across close()"
+    _race_close(h, worker, 6, 30)
     assert not errors, [repr(e) for e in errors]
     assert sum(done) > 0
     with pytest.raises(HandleClosedError):
@@ -445,11 +456,11 @@ def test_close_races_async_requests(tmp_path: Path) -> None:
     h = aioswap.AioHandle(block_size=64 << 10, queue_depth=4)
     futs: list[object] = []
     errors: list[BaseException] = []
-    go = threading.Event()
+    _RACE_GO.clear()
 
     def worker(k: int) -> None:
         buf = torch.empty(MiB + 3, dtype=torch.uint8)
-        go.wait()
+        _RACE_GO.wait()
         try:
             for i in range(100_000):
                 futs.append(h.pread(buf, src, (i * 4097 + k) % (3 * MiB), async_op=True))
@@ -458,18 +469,7 @@ def test_close_races_async_requests(tmp_path: Path) -> None:
         except BaseException as exc:
             errors.append(exc)
 
-    ts = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(4)]
-    for t in ts:
-        t.start()
-    go.set()
-    time.sleep(0.3)
-    closer = threading.Thread(target=h.close, daemon=True)
-    closer.start()
-    closer.join(60)
-    assert not closer.is_alive(), "close() hung"
-    for t in ts:
-        t.join(30)
-    assert not any(t.is_alive() for t in ts)
+    _race_close(h, worker, 4, 60)
     assert not errors, [repr(e) for e in errors[:3]]
     import concurrent.futures as cf
     done, not_done = cf.wait(futs, timeout=30)            # type: ignore[arg-type]
