@@ -1918,7 +1918,7 @@ cdef class AioQueue:
     cdef _check(self):
         if not self._ready:
             raise HandleClosedError("I/O on a closed AioQueue")
-        if self._pid != getpid():
+        if self._pid != _self_pid:
             raise RuntimeError("this AioQueue was created in another process (before a "
                                "fork); create a new handle in the child")
         if self.q.broken:
@@ -2063,7 +2063,7 @@ cdef class AioQueue:
         cdef int e = 0
         cdef _FileCore* core = NULL
         if (mode != M_BOUNCE and not fsync and 0 < nbytes <= block and self._ready
-                and self._pid == getpid() and <uint64_t>offset % align == 0
+                and self._pid == _self_pid and <uint64_t>offset % align == 0
                 and nbytes % align == 0):
             if write and file is not None:
                 # a write in flight, like the queued ones: a padded edge block of another
