@@ -270,22 +270,20 @@ class CuFileEnvironment:
     def forget_config(self) -> None:
         """After the driver closed (or failed to open): undo :meth:`apply_config`."""
         self.restore(CONFIG_ENV)
+        self._drop_config_file()
+        self.config = None
+
+    def _drop_config_file(self) -> None:
         if self._config_file is not None:
             try:
                 os.unlink(self._config_file)
             except OSError:
                 pass
             self._config_file = None
-        self.config = None
 
     def cleanup(self) -> None:
         """Remove aioswap's config file, an empty cuFile log and the directory when empty."""
-        if self._config_file is not None:
-            try:
-                os.unlink(self._config_file)
-            except OSError:
-                pass
-            self._config_file = None
+        self._drop_config_file()
         if self._private is None:
             return
         logfile = os.path.join(self._private, "cufile.log")
