@@ -1103,6 +1103,7 @@ cdef struct _Q:
     bint overlap
     int broken                  # errno of a failed io_getevents: nothing more can be reaped
     int waiters
+    int eager                   # threads blocked in the handle's wait(): deliver at once
     pt.pthread_mutex_t mu
     pt.pthread_cond_t cv
 
@@ -1751,7 +1752,7 @@ cdef int _serve(_Q* q, _Req** out) noexcept nogil:
         wait_s = 0.1
         if q.done_head != NULL:
             wait_s = q.done_since + _COALESCE_S - _mono()
-            if (wait_s <= 0 or not _has_work(q) or q.closing or q.broken
+            if (wait_s <= 0 or q.eager or not _has_work(q) or q.closing or q.broken
                     or q.ndone >= q.depth):
                 out[0] = q.done_head
                 q.done_head = NULL
@@ -2183,6 +2184,19 @@ cdef class AioQueue:
             PyMem_RawFree(r)
             r = nxt
         return out
+
+    def hurry(self, int delta):
+        """Count a thread that starts (+1) or stops (-1) waiting for asynchronous results.
+
+        While one waits, :meth:`serve` hands each finished request over at once instead of
+        gathering a batch (batches spare a thread that is still queueing the GIL hops).
+        """
+        pt.pthread_mutex_lock(&self.q.mu)
+        self.q.eager += delta
+        if self.q.eager < 0:
+            self.q.eager = 0
+        _wake(&self.q)
+        pt.pthread_mutex_unlock(&self.q.mu)
 
     def shutdown(self):
         """Let :meth:`serve` return None once the queue is idle."""

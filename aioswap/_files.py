@@ -132,11 +132,16 @@ class AioFile:
         self.off_align = self._inode.off_align if direct else 1
         self.block_device = stat.S_ISBLK(st.st_mode)
         self._size0: int | None = file_size(fd, st)
+        # the largest size seen (at open, by fstat, or written through the handle's short
+        # path): reads below it skip the fstat; past it, size() asks again
+        self.size_hint: int = self._size0 or 0
         self._owned = owned
         self.transient = transient
         self._closed = False
         self._users = 0
-        self._lock = threading.Lock()
+        # the handle's lock: its short path counts a request on the handle and on the file
+        # under one lock (nothing holding it calls into a file)
+        self._lock = handle._lock if handle is not None else threading.Lock()
 
     # -- the handle's side ---------------------------------------------------------------
     @property
@@ -148,9 +153,10 @@ class AioFile:
         if self._size0 is not None and self.transient:
             size, self._size0 = self._size0, None    # measured at open, a moment ago
             return size
-        if self.block_device:
-            return file_size(self._fd)
-        return os.fstat(self._fd).st_size
+        size = file_size(self._fd) if self.block_device else os.fstat(self._fd).st_size
+        if size > self.size_hint:
+            self.size_hint = size
+        return size
 
     def use(self) -> int:
         """Count a request on the file; its fd."""

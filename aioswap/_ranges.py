@@ -148,6 +148,15 @@ class RangeIndex(Generic[V]):
             return Span(starts[i], ends[i], values[i])
         return None
 
+    def value_of(self, lo: int, hi: int) -> V | None:
+        """The value of the range holding all of the non-empty span ``[lo, hi)``, or None
+        (:meth:`find` without building a span: asked once per request)."""
+        starts, ends, values = self._snapshot()
+        i = bisect_right(starts, lo) - 1
+        if lo < hi and i >= 0 and hi <= ends[i]:
+            return values[i]
+        return None
+
     def at(self, start: int) -> Span[V] | None:
         """The range starting exactly at ``start``, or None."""
         starts, ends, values = self._snapshot()

@@ -26,6 +26,7 @@ import concurrent.futures
 import logging
 import operator
 import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, fields
@@ -48,6 +49,21 @@ if TYPE_CHECKING:
 __all__ = ["AioFile", "AioHandle", "DeviceTransport", "HandleStats", "IOFuture"]
 
 _log = logging.getLogger("aioswap")
+
+_RUNNING = concurrent.futures._base.RUNNING
+_SLOW = object()            # _short(): this request takes the general path
+# Buffer types the short path takes (torch.Tensor and nn.Parameter, once torch is in use)
+# and torch.strided; filled by the first tensor request (aioswap never imports torch itself).
+_short_types: set[type] = set()
+_short_layout: Any = None
+
+
+def _learn_torch() -> None:
+    global _short_layout
+    torch = sys.modules.get("torch")
+    if torch is not None and not _short_types:
+        _short_layout = torch.strided
+        _short_types.update((torch.Tensor, torch.nn.Parameter))
 
 # Bumped in a child after fork(): a handle made before it refuses to work there (its lanes'
 # threads and kernel contexts stayed in the parent). Cheaper than getpid() per request.
@@ -72,6 +88,9 @@ class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
 
     def __init__(self, op: str, file: FileArg, nbytes: int, offset: int) -> None:
         super().__init__()
+        # what set_running_or_notify_cancel() does for a future nobody else has seen yet
+        # (it cannot be cancelled), without taking its lock: one per request
+        self._state = _RUNNING
         self.op = op
         self.file = file
         self.nbytes = nbytes
@@ -143,6 +162,28 @@ class _Queued:
         self.hold = hold
 
 
+class _Ticket:
+    """An asynchronous request of the short path, from submission to its future's result.
+
+    It is also the request's outcome for :meth:`AioHandle.wait` (``seq`` and ``error``).
+    """
+
+    __slots__ = ("error", "file", "fut", "handle", "hold", "nbytes", "offset", "seq",
+                 "write")
+
+    def __init__(self, handle: AioHandle, write: bool, file: AioFile, offset: int,
+                 nbytes: int, fut: IOFuture, hold: object | None) -> None:
+        self.handle = handle
+        self.write = write
+        self.file = file
+        self.offset = offset
+        self.nbytes = nbytes
+        self.fut = fut
+        self.hold = hold
+        self.seq = 0
+        self.error: BaseException | None = None
+
+
 class DeviceTransport:
     """What moves contiguous device memory for a handle (the seam ``GdsHandle`` uses).
 
@@ -184,11 +225,21 @@ class _Lane:
             batch = serve()
             if batch is None:
                 return
-            for token, done, err, eoff, en, eof in batch:
+            tickets = []
+            for item in batch:
+                token = item[0]
+                if type(token) is _Ticket:
+                    tickets.append(item)
+                    continue
                 try:
-                    token.part_done(done, err, eoff, en, eof)
+                    token.part_done(*item[1:])
                 except BaseException:       # never let one callback stop the lane
                     _log.exception("aioswap: completing a request failed")
+            if tickets:
+                try:
+                    tickets[0][0].handle._complete(tickets)
+                except BaseException:
+                    _log.exception("aioswap: completing requests failed")
 
     def close(self) -> None:
         self.queue.shutdown()
@@ -595,11 +646,19 @@ class AioHandle:
                 return 0
             upto = self._seq
             self._wait_targets.append(upto)
+            hurried = False
             try:
                 while self._open and self._open[0] < upto:
+                    if not hurried:             # nothing to gather batches for now
+                        hurried = True
+                        for lane in self._lanes:
+                            lane.queue.hurry(1)
                     self._finished.wait()
             finally:
                 self._wait_targets.remove(upto)
+                if hurried:
+                    for lane in self._lanes:
+                        lane.queue.hurry(-1)
             batch = [(f, o) for f, o in self._pending.items() if o.seq < upto]
             for f, _ in batch:
                 del self._pending[f]
@@ -680,6 +739,11 @@ class AioHandle:
 
     def _request(self, write: bool, buffer: Any, file: FileArg, offset: Any,
                  nbytes: Any, async_op: bool, fsync: bool) -> int | IOFuture:
+        if (type(file) is AioFile and nbytes is None and not fsync
+                and type(buffer) in _short_types):
+            out = self._short(write, buffer, file, offset, async_op)
+            if out is not _SLOW:
+                return out
         req = self._prepare(write, buffer, file, offset, nbytes, fsync)
         if async_op:
             return self._start_async(req)
@@ -687,6 +751,181 @@ class AioHandle:
             return self._run_sync(req)
         finally:
             self._release(req)
+
+    def _short(self, write: bool, t: Any, f: AioFile, offset: Any,
+               async_op: bool) -> int | IOFuture | object:
+        """The short path of the common request: a plain contiguous CPU tensor, whole, on a
+        file this handle opened, in one lane's queue.
+
+        The same checks and accounting as the general path, in one function, with the
+        handle and the file counted under one lock, and a sync request as one
+        :meth:`AioQueue.run`. Returns ``_SLOW`` for anything else (the general path then
+        also raises every error).
+        """
+        if (type(offset) is not int or offset < 0 or f._lock is not self._lock or f._closed
+                or self._generation != _fork_generation[0] or not t.is_cpu
+                or t.layout is not _short_layout or not t.is_contiguous() or t.is_conj()
+                or t.is_neg()):
+            return _SLOW
+        n = t.nbytes
+        if n == 0 or not (f.writable if write else f.readable):
+            return _SLOW
+        lanes = self._lanes
+        if len(lanes) > 1:
+            if n >= 2 * self._block(f):
+                return _SLOW                    # cut across the lanes
+            self._rr = rr = (self._rr + 1) % len(lanes)     # a hint: races are fine
+            lane = lanes[rr]
+        else:
+            lane = lanes[0]
+        end = offset + n
+        if not write and end > f.size_hint and end > f.size():
+            return _SLOW                        # raises ShortReadError before any I/O
+        addr = t.data_ptr()
+        hold, locked = pinned.registry.io_hold(addr, n)
+        if f.direct:
+            align = f.off_align
+            head = min(n, (-offset) % align)
+            tail = end % align
+            edges = head + (tail if n - head >= tail else 0)
+            middle = n - edges
+            if middle and not locked and edges:
+                locked = pinned.is_pinned((addr + head, middle))
+            mode = (_aio.MODE_DIRECT if middle and locked and (addr + head) % f.mem_align == 0
+                    else _aio.MODE_BOUNCE)
+            if not lane.ring.attached:
+                lane.ring.ensure()
+        else:
+            align, edges, middle, mode = 1, 0, n, _aio.MODE_PLAIN
+        ticket = None
+        if async_op:
+            fut = IOFuture("write" if write else "read", f, n, offset)
+            ticket = _Ticket(self, write, f, offset, n, fut, hold)
+            if lane.thread is None:
+                lane.start()
+        with self._lock:
+            if self._closed or f._closed:
+                if hold is not None:
+                    pinned.registry.unhold(hold)
+                return _SLOW                    # raises the closed error
+            self._active += 1
+            f._users += 1
+            st = self._stats
+            if mode == _aio.MODE_DIRECT:
+                st.direct_bytes += middle
+            elif mode == _aio.MODE_BOUNCE:
+                st.bounce_bytes += middle
+            else:
+                st.buffered_bytes += middle
+            st.head_tail_bytes += edges
+            if ticket is not None:
+                ticket.seq = seq = self._seq
+                self._seq = seq + 1
+                self._open.append(seq)
+                self._pending[ticket.fut] = ticket      # type: ignore[assignment]
+                st.async_ops += 1
+        if ticket is not None:
+            try:
+                lane.queue.submit(f._fd, write, addr, n, offset, mode, align, self._block(f),
+                                  f.state, False, False, ticket)
+            except BaseException as exc:
+                with self._lock:
+                    self._pending.pop(ticket.fut, None)
+                    self._finished_locked(ticket, None)     # type: ignore[arg-type]
+                self._short_done(f, hold, write, n, exc)
+                raise
+            return ticket.fut
+        res = None
+        try:
+            res = lane.queue.run(f._fd, write, addr, n, offset, mode, align, self._block(f),
+                                 f.state, False)
+        finally:
+            if res is None:                     # interrupted (the queue drained it)
+                self._short_done(f, hold, write, 0, True)
+        done, err, eoff, en, eof = res
+        if err or eof:
+            exc = self._error(write, f, offset, n, done, err, eoff, en)
+            self._short_done(f, hold, write, done, exc)
+            raise exc
+        self._short_done(f, hold, write, done, None)
+        if write and end > f.size_hint:
+            f.size_hint = end
+        return done
+
+    def _short_done(self, f: AioFile, hold: object | None, write: bool, done: int,
+                    failed: object) -> None:
+        """A sync short-path request is over: uncount it on the handle and the file."""
+        with self._lock:
+            self._active -= 1
+            f._users -= 1
+            last = f._users == 0 and f._closed
+            st = self._stats
+            if failed is not None:
+                st.failed += 1
+            elif write:
+                st.write_bytes += done
+                st.writes += 1
+            else:
+                st.read_bytes += done
+                st.reads += 1
+            if self._closed and self._active == 0:
+                self._idle.notify_all()
+        if hold is not None:
+            pinned.registry.unhold(hold)
+        if last:
+            f._close_fd()
+
+    def _complete(self, items: list[tuple[_Ticket, int, int, int, int, bool]]) -> None:
+        """The completion thread: a batch of finished short-path requests."""
+        closing: list[AioFile] = []
+        with self._lock:
+            st = self._stats
+            for t, done, err, eoff, en, eof in items:
+                f = t.file
+                f._users -= 1
+                if f._users == 0 and f._closed:
+                    closing.append(f)
+                if err or eof:
+                    t.error = self._error(t.write, f, t.offset, t.nbytes, done, err, eoff, en)
+                    st.failed += 1
+                elif t.write:
+                    st.write_bytes += done
+                    st.writes += 1
+                    if t.offset + done > f.size_hint:
+                        f.size_hint = t.offset + done
+                else:
+                    st.read_bytes += done
+                    st.reads += 1
+                self._active -= 1
+                self._finished_locked(t, t.error)       # type: ignore[arg-type]
+            if self._closed and self._active == 0:
+                self._idle.notify_all()
+        unhold = pinned.registry.unhold
+        for t, done, *_ in items:
+            if t.hold is not None:
+                unhold(t.hold)
+            try:
+                if t.error is None:
+                    t.fut.set_result(done)
+                else:
+                    t.fut.set_exception(t.error)
+            except BaseException:               # a callback's error stays with it
+                _log.exception("aioswap: completing a request failed")
+        for f in closing:
+            f._close_fd()
+
+    def _error(self, write: bool, f: AioFile, offset: int, n: int, done: int, err: int,
+               eoff: int, en: int) -> BaseException:
+        """The exception of a failed request (an errno, or else the end of the file)."""
+        op = "write" if write else "read"
+        if err:
+            exc = OSError(err, f"{os.strerror(err)} ({op} of {en} bytes at file offset "
+                               f"{eoff}; {done} of {n} bytes done)", f.name)
+            exc.offset = eoff                   # type: ignore[attr-defined]
+            return exc
+        return ShortReadError(
+            f"read of {n} bytes at offset {offset} from {f.name} reached end of file at "
+            f"offset {eoff} ({done} bytes read)", path=f.name, offset=offset, nbytes=n)
 
     def _prepare(self, write: bool, buffer: Any, file: FileArg, offset: Any, nbytes: Any,
                  fsync: bool) -> _Request:
@@ -699,6 +938,8 @@ class AioHandle:
         if offset < 0:
             raise ValueError(f"negative file offset {offset} for {describe(file)}")
         mem = resolve(buffer)
+        if mem.tensor is not None and not _short_types:
+            _learn_torch()
         n = mem.nbytes if nbytes is None else _integer(nbytes, "nbytes", file)
         if n < 0:
             raise ValueError(f"negative nbytes {n} for {describe(file)}")
@@ -1005,16 +1246,9 @@ class AioHandle:
 
     def _result_error(self, req: _Request, done: int, err: int, eoff: int, en: int,
                       eof: bool) -> BaseException | None:
-        if err:
-            exc = OSError(err, f"{os.strerror(err)} ({req.op} of {en} bytes at file offset "
-                               f"{eoff}; {done} of {req.nbytes} bytes done)", req.file.name)
-            exc.offset = eoff                   # type: ignore[attr-defined]
-            return exc
-        if eof:
-            return ShortReadError(
-                f"read of {req.nbytes} bytes at offset {req.offset} from {req.file.name} "
-                f"reached end of file at offset {eoff} ({done} bytes read)",
-                path=req.file.name, offset=req.offset, nbytes=req.nbytes)
+        if err or eof:
+            return self._error(req.write, req.file, req.offset, req.nbytes, done, err, eoff,
+                               en)
         return None
 
     def _staged(self, req: _Request) -> int:
@@ -1055,7 +1289,6 @@ class AioHandle:
     # -- async -----------------------------------------------------------------------------
     def _start_async(self, req: _Request) -> IOFuture:
         fut = IOFuture(req.op, req.arg, req.nbytes, req.offset)
-        fut.set_running_or_notify_cancel()
         with self._lock:
             outcome = _Outcome(self._seq)
             self._seq += 1

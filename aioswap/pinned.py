@@ -579,6 +579,20 @@ class PinnedRegistry:
             rec.io += 1
         return rec
 
+    def io_hold(self, address: int, nbytes: int) -> tuple[object | None, bool]:
+        """:meth:`hold` and whether ``[address, address + nbytes)`` is page-locked, in one
+        look-up: ``(token or None, locked)`` (what a request asks before it starts)."""
+        rec = self._host.value_of(address, address + nbytes) if nbytes > 0 else None
+        if rec is None:
+            return None, False
+        if rec.kind != _ALLOCATED:
+            return None, True
+        with self._io_lock:
+            if not rec.live:
+                return None, False
+            rec.io += 1
+        return rec, True
+
     def unhold(self, token: object) -> None:
         """Give back a hold from :meth:`hold`."""
         assert isinstance(token, _Range)
