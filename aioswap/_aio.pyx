@@ -2191,12 +2191,15 @@ cdef class AioQueue:
         While one waits, :meth:`serve` hands each finished request over at once instead of
         gathering a batch (batches spare a thread that is still queueing the GIL hops).
         """
-        pt.pthread_mutex_lock(&self.q.mu)
-        self.q.eager += delta
-        if self.q.eager < 0:
-            self.q.eager = 0
-        _wake(&self.q)
-        pt.pthread_mutex_unlock(&self.q.mu)
+        if not self._ready:
+            return
+        with nogil:
+            pt.pthread_mutex_lock(&self.q.mu)
+            self.q.eager += delta
+            if self.q.eager < 0:
+                self.q.eager = 0
+            _wake(&self.q)
+            pt.pthread_mutex_unlock(&self.q.mu)
 
     def shutdown(self):
         """Let :meth:`serve` return None once the queue is idle."""

@@ -142,6 +142,7 @@ class AioFile:
         # the handle's lock: its short path counts a request on the handle and on the file
         # under one lock (nothing holding it calls into a file)
         self._lock = handle._lock if handle is not None else threading.Lock()
+        self.piece = handle._block(self) if handle is not None else 0   # piece size
 
     # -- the handle's side ---------------------------------------------------------------
     @property
@@ -183,14 +184,13 @@ class AioFile:
               async_op: bool = False) -> int | IOFuture:
         """Read into ``buffer`` at ``offset`` (see :meth:`aioswap.AioHandle.pread`)."""
         assert self._handle is not None
-        return self._handle.pread(buffer, self, offset, nbytes=nbytes, async_op=async_op)
+        return self._handle._request(False, buffer, self, offset, nbytes, async_op, False)
 
     def pwrite(self, buffer: Any, offset: int = 0, *, nbytes: int | None = None,
                async_op: bool = False, fsync: bool = False) -> int | IOFuture:
         """Write ``buffer`` at ``offset`` (see :meth:`aioswap.AioHandle.pwrite`)."""
         assert self._handle is not None
-        return self._handle.pwrite(buffer, self, offset, nbytes=nbytes, async_op=async_op,
-                                   fsync=fsync)
+        return self._handle._request(True, buffer, self, offset, nbytes, async_op, fsync)
 
     def fsync(self) -> None:
         """Make the data and size written so far durable."""

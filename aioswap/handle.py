@@ -184,6 +184,22 @@ class _Ticket:
         self.error: BaseException | None = None
 
 
+class _ShortQueued:
+    """A sync short-path request in a lane's queue (a batch call reaps it later)."""
+
+    __slots__ = ("file", "hold", "lane", "nbytes", "offset", "rid", "write")
+
+    def __init__(self, lane: _Lane, rid: int, write: bool, file: AioFile, offset: int,
+                 nbytes: int, hold: object | None) -> None:
+        self.lane = lane
+        self.rid = rid
+        self.write = write
+        self.file = file
+        self.offset = offset
+        self.nbytes = nbytes
+        self.hold = hold
+
+
 class DeviceTransport:
     """What moves contiguous device memory for a handle (the seam ``GdsHandle`` uses).
 
@@ -581,10 +597,16 @@ class AioHandle:
             return futs
         # sync: every request is queued before the first is waited for; no futures, no
         # completion thread (each is reaped by this thread)
-        queued: list[_Queued | _Request] = []
+        queued: list[_Queued | _ShortQueued | _Request] = []
         try:
             for item in requests:
                 buf, file, *rest = item
+                if type(file) is AioFile and type(buf) in _short_types:
+                    sq = self._short(write, buf, file, rest[0] if rest else 0, 2)
+                    if sq is not _SLOW:
+                        assert isinstance(sq, _ShortQueued)
+                        queued.append(sq)
+                        continue
                 req = self._prepare(write, buf, file, rest[0] if rest else 0, None, False)
                 if self._is_one(req):
                     try:
@@ -600,6 +622,17 @@ class AioHandle:
         out: list[int] = []
         first: BaseException | None = None
         for i, q in enumerate(queued):
+            if isinstance(q, _ShortQueued):
+                try:
+                    out.append(self._short_finish(q))
+                except (OSError, ValueError, EOFError) as exc:
+                    out.append(0)
+                    if first is None:
+                        first = exc
+                except BaseException:
+                    self._abandon(queued[i + 1:])
+                    raise
+                continue
             req = q.req if isinstance(q, _Queued) else q
             try:
                 out.append(self._finish_one(q) if isinstance(q, _Queued)
@@ -617,13 +650,18 @@ class AioHandle:
             raise first
         return out
 
-    def _abandon(self, queued: Sequence[_Queued | _Request]) -> None:
+    def _abandon(self, queued: Sequence[_Queued | _ShortQueued | _Request]) -> None:
         """Cancel and drain queued requests (an error or a signal stops a batch)."""
         for q in queued:
-            if isinstance(q, _Queued):
+            if not isinstance(q, _Request):
                 q.lane.queue.cancel(q.rid)
         for q in queued:
-            if isinstance(q, _Queued):
+            if isinstance(q, _ShortQueued):
+                try:
+                    self._short_finish(q, drain=True)
+                except Exception:
+                    pass
+            elif isinstance(q, _Queued):
                 try:
                     self._finish_one(q, q.lane.queue.drain(q.rid))
                 except Exception:
@@ -741,9 +779,9 @@ class AioHandle:
                  nbytes: Any, async_op: bool, fsync: bool) -> int | IOFuture:
         if (type(file) is AioFile and nbytes is None and not fsync
                 and type(buffer) in _short_types):
-            out = self._short(write, buffer, file, offset, async_op)
+            out = self._short(write, buffer, file, offset, 1 if async_op else 0)
             if out is not _SLOW:
-                return out
+                return out                      # type: ignore[return-value]
         req = self._prepare(write, buffer, file, offset, nbytes, fsync)
         if async_op:
             return self._start_async(req)
@@ -753,14 +791,15 @@ class AioHandle:
             self._release(req)
 
     def _short(self, write: bool, t: Any, f: AioFile, offset: Any,
-               async_op: bool) -> int | IOFuture | object:
+               how: int) -> int | IOFuture | _ShortQueued | object:
         """The short path of the common request: a plain contiguous CPU tensor, whole, on a
         file this handle opened, in one lane's queue.
 
         The same checks and accounting as the general path, in one function, with the
         handle and the file counted under one lock, and a sync request as one
-        :meth:`AioQueue.run`. Returns ``_SLOW`` for anything else (the general path then
-        also raises every error).
+        :meth:`AioQueue.run`. ``how``: 0 runs it, 1 returns its future, 2 queues it and
+        returns a :class:`_ShortQueued` for :meth:`_short_finish`. Returns ``_SLOW`` for
+        anything else (the general path then also raises every error).
         """
         if (type(offset) is not int or offset < 0 or f._lock is not self._lock or f._closed
                 or self._generation != _fork_generation[0] or not t.is_cpu
@@ -772,7 +811,7 @@ class AioHandle:
             return _SLOW
         lanes = self._lanes
         if len(lanes) > 1:
-            if n >= 2 * self._block(f):
+            if n >= 2 * f.piece:
                 return _SLOW                    # cut across the lanes
             self._rr = rr = (self._rr + 1) % len(lanes)     # a hint: races are fine
             lane = lanes[rr]
@@ -798,7 +837,7 @@ class AioHandle:
         else:
             align, edges, middle, mode = 1, 0, n, _aio.MODE_PLAIN
         ticket = None
-        if async_op:
+        if how == 1:
             fut = IOFuture("write" if write else "read", f, n, offset)
             ticket = _Ticket(self, write, f, offset, n, fut, hold)
             if lane.thread is None:
@@ -826,7 +865,7 @@ class AioHandle:
                 st.async_ops += 1
         if ticket is not None:
             try:
-                lane.queue.submit(f._fd, write, addr, n, offset, mode, align, self._block(f),
+                lane.queue.submit(f._fd, write, addr, n, offset, mode, align, f.piece,
                                   f.state, False, False, ticket)
             except BaseException as exc:
                 with self._lock:
@@ -835,21 +874,48 @@ class AioHandle:
                 self._short_done(f, hold, write, n, exc)
                 raise
             return ticket.fut
+        if how == 2:
+            try:
+                rid = lane.queue.submit(f._fd, write, addr, n, offset, mode, align,
+                                        f.piece, f.state, False, True, None)
+            except BaseException as exc:
+                self._short_done(f, hold, write, 0, exc)
+                raise
+            return _ShortQueued(lane, rid, write, f, offset, n, hold)
         res = None
         try:
-            res = lane.queue.run(f._fd, write, addr, n, offset, mode, align, self._block(f),
+            res = lane.queue.run(f._fd, write, addr, n, offset, mode, align, f.piece,
                                  f.state, False)
         finally:
             if res is None:                     # interrupted (the queue drained it)
                 self._short_done(f, hold, write, 0, True)
         done, err, eoff, en, eof = res
         if err or eof:
-            exc = self._error(write, f, offset, n, done, err, eoff, en)
-            self._short_done(f, hold, write, done, exc)
-            raise exc
+            error = self._error(write, f, offset, n, done, err, eoff, en)
+            self._short_done(f, hold, write, done, error)
+            raise error
         self._short_done(f, hold, write, done, None)
         if write and end > f.size_hint:
             f.size_hint = end
+        return done
+
+    def _short_finish(self, q: _ShortQueued, drain: bool = False) -> int:
+        """Reap a queued short-path request (``drain``: without looking at signals)."""
+        res = None
+        try:
+            res = q.lane.queue.drain(q.rid) if drain else q.lane.queue.wait(q.rid)
+        finally:
+            if res is None:                     # interrupted (the queue drained it)
+                self._short_done(q.file, q.hold, q.write, 0, True)
+        done, err, eoff, en, eof = res
+        if err or eof:
+            error = self._error(q.write, q.file, q.offset, q.nbytes, done, err, eoff, en)
+            self._short_done(q.file, q.hold, q.write, done, error)
+            raise error
+        self._short_done(q.file, q.hold, q.write, done, None)
+        end = q.offset + q.nbytes
+        if q.write and end > q.file.size_hint:
+            q.file.size_hint = end
         return done
 
     def _short_done(self, f: AioFile, hold: object | None, write: bool, done: int,
