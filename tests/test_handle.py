@@ -554,7 +554,8 @@ def test_knobs_from_the_environment(tmp_path, monkeypatch):
 def test_freed_locked_memory_is_reused():
     """Locked mappings of 4 MiB+ are kept for the next allocation of that size (bounded)."""
     from aioswap import _aio
-    old = _aio.set_locked_cache(64 * MiB)
+    old = _aio.set_locked_cache(0)        # empty: what earlier tests left would be evicted
+    _aio.set_locked_cache(64 * MiB)
     try:
         before = _aio.locked_cache_bytes()
         m = _aio.LockedMemory(8 * MiB)
