@@ -1104,6 +1104,7 @@ cdef struct _Q:
     int broken                  # errno of a failed io_getevents: nothing more can be reaped
     int waiters
     int eager                   # threads blocked in the handle's wait(): deliver at once
+    double last_async           # when the last asynchronous request was queued
     pt.pthread_mutex_t mu
     pt.pthread_cond_t cv
 
@@ -1772,6 +1773,11 @@ cdef int _wait_req(_Q* q, _Req* r, double budget) noexcept nogil:
 # submitting thread then keeps the GIL while it queues a burst, instead of trading it with
 # the completion thread after every request.
 cdef double _COALESCE_S = 0.001
+# An idle queue hands its finished requests over at once, unless an asynchronous request was
+# queued less than this long ago: a thread queueing a burst comes back within microseconds,
+# and taking the GIL between its requests would slow it down (a lone request waits at most
+# this long past its completion).
+cdef double _BURST_GAP_S = 0.00003
 
 
 cdef int _serve(_Q* q, _Req** out) noexcept nogil:
@@ -1780,19 +1786,24 @@ cdef int _serve(_Q* q, _Req** out) noexcept nogil:
     cdef int e
     cdef double wait_s
     cdef long ns
+    cdef double now, quiet
     pt.pthread_mutex_lock(&q.mu)
     while True:
         wait_s = 0.1
         if q.done_head != NULL:
-            wait_s = q.done_since + _COALESCE_S - _mono()
-            if (wait_s <= 0 or q.eager or not _has_work(q) or q.closing or q.broken
-                    or q.ndone >= q.depth):
+            now = _mono()
+            wait_s = q.done_since + _COALESCE_S - now
+            quiet = q.last_async + _BURST_GAP_S - now     # > 0: a burst may go on
+            if (wait_s <= 0 or q.eager or (quiet <= 0 and not _has_work(q)) or q.closing
+                    or q.broken or q.ndone >= q.depth):
                 out[0] = q.done_head
                 q.done_head = NULL
                 q.done_tail = NULL
                 q.ndone = 0
                 pt.pthread_mutex_unlock(&q.mu)
                 return 1
+            if quiet < wait_s and not _has_work(q):
+                wait_s = quiet
         elif q.closing and not _has_work(q):
             pt.pthread_mutex_unlock(&q.mu)
             return -1
@@ -2069,6 +2080,7 @@ cdef class AioQueue:
             pt.pthread_mutex_lock(&q.mu)
             if not sync:
                 q.nasync += 1
+                q.last_async = _mono()
             r.prev = q.pend_tail
             if q.pend_tail != NULL:
                 q.pend_tail.next = r
@@ -2196,8 +2208,6 @@ cdef class AioQueue:
         :meth:`shutdown` was called and nothing is left in flight.
         """
         cdef _Req* head = NULL
-        cdef _Req* r
-        cdef _Req* nxt
         cdef int rc
         if not self._ready:
             return None
@@ -2205,8 +2215,12 @@ cdef class AioQueue:
             rc = _serve(&self.q, &head)
         if rc < 0:
             return None
+        return self._deliver(head)
+
+    cdef object _deliver(self, _Req* head):
+        cdef _Req* r = head
+        cdef _Req* nxt
         out = []
-        r = head
         while r != NULL:
             nxt = r.done_next
             token = <object>r.token if r.token != NULL else None

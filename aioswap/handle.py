@@ -51,6 +51,8 @@ __all__ = ["AioFile", "AioHandle", "DeviceTransport", "HandleStats", "IOFuture"]
 _log = logging.getLogger("aioswap")
 
 _RUNNING = concurrent.futures._base.RUNNING
+_FINISHED = concurrent.futures._base.FINISHED
+_cond_lock = threading.Lock()       # IOFuture: making a future's Condition, or finishing it
 _SLOW = object()            # _short(): this request takes the general path
 # Buffer types the short path takes (torch.Tensor and nn.Parameter, once torch is in use)
 # and torch.strided; filled by the first tensor request (aioswap never imports torch itself).
@@ -86,15 +88,74 @@ class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
     from the moment it is submitted, so ``cancel()`` returns False.
     """
 
+    # Future.__init__ makes a Condition per future; most futures of a burst are never
+    # looked at (the caller uses wait()), so this one is made on first use, and a request
+    # that ends before anybody used it just records its result (_finish). Creating it and
+    # that check happen under one lock, so a waiter always finds the result or is woken.
+
     def __init__(self, op: str, file: FileArg, nbytes: int, offset: int) -> None:
-        super().__init__()
-        # what set_running_or_notify_cancel() does for a future nobody else has seen yet
-        # (it cannot be cancelled), without taking its lock: one per request
+        # Future.__init__'s fields; RUNNING is what set_running_or_notify_cancel() does for
+        # a future nobody else has seen yet (it cannot be cancelled)
+        self._cond: threading.Condition | None = None
         self._state = _RUNNING
+        self._result = None
+        self._exception: BaseException | None = None
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Any] = []
         self.op = op
         self.file = file
         self.nbytes = nbytes
         self.offset = offset
+
+    @property
+    def _condition(self) -> threading.Condition:      # type: ignore[override]
+        c = self._cond
+        if c is None:
+            with _cond_lock:
+                c = self._cond
+                if c is None:
+                    c = self._cond = threading.Condition()
+        return c
+
+    # the lane queue's hurry(): a thread blocked in result() gets the request at once
+    _hurry: Any = None
+
+    def result(self, timeout: float | None = None) -> Any:
+        hurry = self._hurry
+        if hurry is None or self._state != _RUNNING:
+            return super().result(timeout)
+        hurry(1)
+        try:
+            return super().result(timeout)
+        finally:
+            hurry(-1)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        hurry = self._hurry
+        if hurry is None or self._state != _RUNNING:
+            return super().exception(timeout)
+        hurry(1)
+        try:
+            return super().exception(timeout)
+        finally:
+            hurry(-1)
+
+    def _finish(self, result: int, error: BaseException | None) -> None:
+        """Complete the future (the completion thread): set_result/set_exception, or just
+        the fields when nobody has used it yet."""
+        if self._cond is None:
+            with _cond_lock:
+                if self._cond is None:
+                    if error is None:
+                        self._result = result
+                    else:
+                        self._exception = error
+                    self._state = _FINISHED
+                    return
+        if error is None:
+            self.set_result(result)
+        else:
+            self.set_exception(error)
 
     def __repr__(self) -> str:
         return (f"<IOFuture {self.op} {self.nbytes} bytes at {self.offset} of "
@@ -839,6 +900,7 @@ class AioHandle:
         ticket = None
         if how == 1:
             fut = IOFuture("write" if write else "read", f, n, offset)
+            fut._hurry = lane.queue.hurry
             ticket = _Ticket(self, write, f, offset, n, fut, hold)
             if lane.thread is None:
                 lane.start()
@@ -971,10 +1033,7 @@ class AioHandle:
             if t.hold is not None:
                 unhold(t.hold)
             try:
-                if t.error is None:
-                    t.fut.set_result(done)
-                else:
-                    t.fut.set_exception(t.error)
+                t.fut._finish(done, t.error)
             except BaseException:               # a callback's error stays with it
                 _log.exception("aioswap: completing a request failed")
         for f in closing:

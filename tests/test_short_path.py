@@ -362,3 +362,29 @@ def test_short_path_refuses_a_forked_child(tmp_dir):
                        timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "0"
+
+
+def test_futures_used_before_and_after_they_finish(tmp_dir, no_general):
+    """A future waited on while in flight is woken; one first touched after its request
+    ended (its lock made only then) reports the same result, and late callbacks run."""
+    import threading
+    path = _file(tmp_dir / "late.bin", _rand(4 * MiB, 12))
+    data = path.read_bytes()
+    with AioHandle(queue_depth=2) as h, h.open(path, "r") as f:
+        bufs = [torch.empty(MiB, dtype=torch.uint8) for _ in range(4)]
+        futs = [f.pread(b, i * MiB, async_op=True) for i, b in enumerate(bufs)]
+        got: list[object] = []
+        waiter = threading.Thread(target=lambda: got.append(futs[3].result(timeout=30)))
+        waiter.start()                            # blocks in result() while it runs
+        assert h.wait() == 4
+        waiter.join(30)
+        assert got == [MiB]
+        for fut in futs:                          # touched only now
+            assert fut.done() and not fut.running() and not fut.cancelled()
+            assert fut.exception() is None and fut.result(timeout=0) == MiB
+            late: list[int] = []
+            fut.add_done_callback(lambda x: late.append(x.result()))
+            assert late == [MiB]
+            assert "finished" in repr(fut)
+    for i, b in enumerate(bufs):
+        assert b.numpy().tobytes() == data[i * MiB:(i + 1) * MiB]
