@@ -1175,8 +1175,18 @@ class TensorSwapper:
         # Fresh memory is faulted in (zeroed, or locked) as it is allocated; several threads
         # do that, each submitting its tensors' reads as soon as their memory is there, so
         # the faults run in parallel with each other and with the reads in flight.
+        def check(group: list[_ReadPlan]) -> None:
+            for p in group:
+                p.ready.wait()
+                if p.error is None:
+                    try:
+                        self._check_piece_sums(p, verify)
+                    except Exception as exc:
+                        p.error = exc
+
         lanes = min(self._alloc_lanes, len(active))
         groups: list[concurrent.futures.Future[None]] = []
+        checks: list[concurrent.futures.Future[None]] = []
         first: BaseException | None = None
         try:
             try:
@@ -1188,14 +1198,17 @@ class TensorSwapper:
                 # hash once every read is queued: on a busy machine the hashing would
                 # otherwise take CPU from the lanes, and the reads would be queued later
                 concurrent.futures.wait(groups)
-                for p in active:
-                    p.ready.wait()
-                    if p.error is None:
-                        try:
-                            self._check_piece_sums(p, verify)
-                        except Exception as exc:
-                            p.error = exc
+                if verify and lanes > 1:
+                    # then on every lane: tensors are hashed as they land, on all cores
+                    # (xxh3 releases the GIL), while the later reads are still in flight
+                    checks = [self._alloc_pool().submit(check, active[j::lanes])
+                              for j in range(lanes)]
+                    for c in checks:
+                        c.result()
+                else:
+                    check(active)
             finally:
+                concurrent.futures.wait(checks)     # no thread touches a plan after this
                 concurrent.futures.wait(groups)
                 # never leave the kernel writing into memory handed back
                 concurrent.futures.wait([f for p in active for f, _, _ in p.pieces])
