@@ -883,20 +883,10 @@ class AioHandle:
             return _SLOW                        # raises ShortReadError before any I/O
         addr = t.data_ptr()
         hold, locked = pinned.registry.io_hold(addr, n)
-        if f.direct:
-            align = f.off_align
-            head = min(n, (-offset) % align)
-            tail = end % align
-            edges = head + (tail if n - head >= tail else 0)
-            middle = n - edges
-            if middle and not locked and edges:
-                locked = pinned.is_pinned((addr + head, middle))
-            mode = (_aio.MODE_DIRECT if middle and locked and (addr + head) % f.mem_align == 0
-                    else _aio.MODE_BOUNCE)
-            if not lane.ring.attached:
-                lane.ring.ensure()
-        else:
-            align, edges, middle, mode = 1, 0, n, _aio.MODE_PLAIN
+        mode, edges, middle = _plan(f, addr, n, offset, locked)
+        align = f.off_align
+        if mode != _aio.MODE_PLAIN and not lane.ring.attached:
+            lane.ring.ensure()
         ticket = None
         if how == 1:
             fut = IOFuture("write" if write else "read", f, n, offset)
@@ -1156,19 +1146,9 @@ class AioHandle:
         return list(zip(cuts, (b - a for a, b in zip(cuts, cuts[1:]))))
 
     def _mode(self, req: _Request, held: bool = False) -> tuple[int, int, int]:
-        """How the pieces of a contiguous host request run: ``(mode, edge bytes, middle
-        bytes)``. ``held``: the memory is known to be pinned (a registry hold is out)."""
-        f, mem, n = req.file, req.mem, req.nbytes
-        if not f.direct:
-            return _aio.MODE_PLAIN, 0, n
-        align = f.off_align
-        head = min(n, (-req.offset) % align)
-        tail = (req.offset + n) % align
-        edges = head + (tail if n - head >= tail else 0)
-        middle = n - edges
-        direct = (middle > 0 and (mem.address + head) % f.mem_align == 0
-                  and (held or pinned.is_pinned((mem.address + head, middle))))
-        return (_aio.MODE_DIRECT if direct else _aio.MODE_BOUNCE), edges, middle
+        """How the pieces of a contiguous host request run (see :func:`_plan`). ``held``:
+        the memory is known to be pinned (a registry hold is out)."""
+        return _plan(req.file, req.mem.address, req.nbytes, req.offset, True if held else None)
 
     def _count_paths(self, mode: int, edges: int, middle: int) -> None:
         """Bytes per path into the stats (the caller holds ``self._lock``)."""
@@ -1512,6 +1492,28 @@ class AioHandle:
             fut.set_exception(first)
         else:
             fut.set_result(token.done)
+
+
+def _plan(f: AioFile, address: int, n: int, offset: int,
+          locked: bool | None) -> tuple[int, int, int]:
+    """How the pieces of a contiguous host request run: ``(mode, edge bytes, middle bytes)``.
+
+    Direct when the middle (between the unaligned edge blocks) is page-locked and its memory
+    lines up with the file's alignment; bounced otherwise; plain on a buffered file.
+    ``locked``: whether all of ``[address, address + n)`` is page-locked, or None (unknown:
+    the registry is asked); with edges, a False still asks about the middle alone.
+    """
+    if not f.direct:
+        return _aio.MODE_PLAIN, 0, n
+    align = f.off_align
+    head = min(n, (-offset) % align)
+    tail = (offset + n) % align
+    edges = head + (tail if n - head >= tail else 0)
+    middle = n - edges
+    direct = (middle > 0 and (address + head) % f.mem_align == 0
+              and (locked or ((locked is None or edges > 0)
+                              and pinned.is_pinned((address + head, middle)))))
+    return (_aio.MODE_DIRECT if direct else _aio.MODE_BOUNCE), edges, middle
 
 
 def _integer(value: Any, what: str, file: Any) -> int:

@@ -104,8 +104,8 @@ class _Interrupt:
             t.join()
 
 
-def _interrupted_sync_read(h: aioswap.AioHandle, path: Path, dst: torch.Tensor,
-                           tries: int = 12) -> bool:
+def _interrupted_sync_read(h: aioswap.AioHandle, path: Path | aioswap.AioFile,
+                           dst: torch.Tensor, tries: int = 12) -> bool:
     """Loop until a SIGINT lands inside ``h.pread``; True when one did."""
     with _Interrupt() as intr:
         for i in range(tries):
@@ -147,21 +147,31 @@ def _check_after_interrupt(h: aioswap.AioHandle, path: Path, data: np.ndarray,
     assert np.array_equal(dst.numpy(), data)
 
 
-@pytest.mark.parametrize("lanes,kind", [(1, "unpinned"), (4, "unpinned"), (4, "pinned")],
-                         ids=["item1-one-lane", "item2-four-lanes", "item2-four-lanes-direct"])
+@pytest.mark.parametrize("lanes,kind", [(1, "unpinned"), (4, "unpinned"), (4, "pinned"),
+                                         (1, "open-file"), (1, "open-file-direct")],
+                         ids=["item1-one-lane", "item2-four-lanes", "item2-four-lanes-direct",
+                              "item1-open-file", "item1-open-file-direct"])
 def test_sigint_during_sync_read(big_file: tuple[Path, np.ndarray], tmp_path: Path,
                                  lanes: int, kind: str) -> None:
-    """Items 1 and 2: nothing writes the destination after the interrupt; handle works."""
+    """Items 1 and 2: nothing writes the destination after the interrupt; handle works.
+    The open-file kinds take the handle's short path (a whole tensor on an AioFile)."""
     path, data = big_file
-    if kind == "pinned":
+    if kind.endswith("direct") or kind == "pinned":
         dst = pinned.empty(BIG, torch.uint8, strict=False)      # direct: the kernel writes it
     else:
         dst = torch.empty(BIG, dtype=torch.uint8)                # the bounce ring
         assert not pinned.is_pinned(dst)
     with aioswap.AioHandle(intra_op_parallelism=lanes) as h:
-        if not _interrupted_sync_read(h, path, dst):
+        target: Path | aioswap.AioFile = path
+        if kind.startswith("open-file"):
+            h.pread(torch.empty(8, dtype=torch.uint8), path)     # the short path knows torch
+            target = h.open(path, "r")
+        if not _interrupted_sync_read(h, target, dst):
             pytest.skip("no SIGINT landed during a transfer")
         _check_after_interrupt(h, path, data, dst, tmp_path)
+        if isinstance(target, aioswap.AioFile):
+            assert h._active == 0 and target._users == 0     # nothing counted twice or left
+            target.close()
 
 
 def test_sigint_during_sync_bounced_write(tmp_path: Path) -> None:
