@@ -121,22 +121,19 @@ class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
     _hurry: Any = None
 
     def result(self, timeout: float | None = None) -> Any:
-        hurry = self._hurry
-        if hurry is None or self._state != _RUNNING:
-            return super().result(timeout)
-        hurry(1)
-        try:
-            return super().result(timeout)
-        finally:
-            hurry(-1)
+        return self._hurried(super().result, timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        exc: BaseException | None = self._hurried(super().exception, timeout)
+        return exc
+
+    def _hurried(self, get: Any, timeout: float | None) -> Any:
         hurry = self._hurry
         if hurry is None or self._state != _RUNNING:
-            return super().exception(timeout)
+            return get(timeout)
         hurry(1)
         try:
-            return super().exception(timeout)
+            return get(timeout)
         finally:
             hurry(-1)
 
