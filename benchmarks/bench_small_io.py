@@ -1,8 +1,8 @@
 """Many small requests: aioswap against fio (libaio) and os.preadv/os.pwritev, one run.
 
 Random O_DIRECT reads and writes of 4 KiB, 64 KiB and 256 KiB on one file into page-locked
-memory, measured side by side (methods alternate per round; the median of the rounds is
-shown with its spread):
+memory, measured side by side (methods run in a new, seeded random order each round; the
+median of the rounds is shown with its spread):
 
 * ``sync file``: ``f.pread(view, off)`` one request at a time on ``h.open(path)``
 * ``sync fd``: ``h.pread(view, fd, off)`` one at a time on an O_DIRECT fd
@@ -128,8 +128,11 @@ def run_small(h: aioswap.AioHandle, path: str, fd: int, bs: int, ops: int, qd: i
     try:
         for r in range(rounds):
             # each method its own offsets (a virtual disk caches what it just served, which
-            # would favour whichever method ran second on the same ones), order rotated
-            order = names[r % len(names):] + names[:r % len(names)]
+            # would favour whichever method ran second on the same ones), and a new order
+            # each round: a rotated one keeps every method behind the same neighbour, and a
+            # virtual disk's write-back state after one method shifts the next one's figure
+            order = list(names)
+            random.Random(7919 * r + 1).shuffle(order)
             for k, name in enumerate(order):
                 offs = offsets(ops, bs, file_size, 1000 * r + k)
                 fn = methods[name]
