@@ -1152,7 +1152,7 @@ cdef int _copy_out(void* dst, const void* src, size_t n) noexcept nogil:
     cdef iovec local, remote
     cdef long ret
     cdef uintptr_t lo, hi
-    global _vm_copy, _populate
+    global _vm_copy
     if n == 0:
         return 0
     if _populate and n >= _POPULATE_MIN:
@@ -2208,6 +2208,8 @@ cdef class AioQueue:
         :meth:`shutdown` was called and nothing is left in flight.
         """
         cdef _Req* head = NULL
+        cdef _Req* r
+        cdef _Req* nxt
         cdef int rc
         if not self._ready:
             return None
@@ -2215,12 +2217,8 @@ cdef class AioQueue:
             rc = _serve(&self.q, &head)
         if rc < 0:
             return None
-        return self._deliver(head)
-
-    cdef object _deliver(self, _Req* head):
-        cdef _Req* r = head
-        cdef _Req* nxt
         out = []
+        r = head
         while r != NULL:
             nxt = r.done_next
             token = <object>r.token if r.token != NULL else None

@@ -898,37 +898,30 @@ class AioHandle:
                 return _SLOW                    # raises the closed error
             self._active += 1
             f._users += 1
-            st = self._stats
-            if mode == _aio.MODE_DIRECT:
-                st.direct_bytes += middle
-            elif mode == _aio.MODE_BOUNCE:
-                st.bounce_bytes += middle
-            else:
-                st.buffered_bytes += middle
-            st.head_tail_bytes += edges
+            self._count_paths(mode, edges, middle)
             if ticket is not None:
                 ticket.seq = seq = self._seq
                 self._seq = seq + 1
                 self._open.append(seq)
                 self._pending[ticket.fut] = ticket      # type: ignore[assignment]
-                st.async_ops += 1
+                self._stats.async_ops += 1
         if ticket is not None:
             try:
                 lane.queue.submit(f._fd, write, addr, n, offset, mode, align, f.piece,
                                   f.state, False, False, ticket)
-            except BaseException as exc:
+            except BaseException:
                 with self._lock:
                     self._pending.pop(ticket.fut, None)
                     self._finished_locked(ticket, None)     # type: ignore[arg-type]
-                self._short_done(f, hold, write, n, exc)
+                self._short_done(f, hold, write, offset, n, None)
                 raise
             return ticket.fut
         if how == 2:
             try:
                 rid = lane.queue.submit(f._fd, write, addr, n, offset, mode, align,
                                         f.piece, f.state, False, True, None)
-            except BaseException as exc:
-                self._short_done(f, hold, write, 0, exc)
+            except BaseException:
+                self._short_done(f, hold, write, offset, n, None)
                 raise
             return _ShortQueued(lane, rid, write, f, offset, n, hold)
         res = None
@@ -937,16 +930,8 @@ class AioHandle:
                                  f.state, False)
         finally:
             if res is None:                     # interrupted (the queue drained it)
-                self._short_done(f, hold, write, 0, True)
-        done, err, eoff, en, eof = res
-        if err or eof:
-            error = self._error(write, f, offset, n, done, err, eoff, en)
-            self._short_done(f, hold, write, done, error)
-            raise error
-        self._short_done(f, hold, write, done, None)
-        if write and end > f.size_hint:
-            f.size_hint = end
-        return done
+                self._short_done(f, hold, write, offset, n, None)
+        return self._short_done(f, hold, write, offset, n, res)
 
     def _short_finish(self, q: _ShortQueued, drain: bool = False) -> int:
         """Reap a queued short-path request (``drain``: without looking at signals)."""
@@ -955,46 +940,40 @@ class AioHandle:
             res = q.lane.queue.drain(q.rid) if drain else q.lane.queue.wait(q.rid)
         finally:
             if res is None:                     # interrupted (the queue drained it)
-                self._short_done(q.file, q.hold, q.write, 0, True)
-        done, err, eoff, en, eof = res
-        if err or eof:
-            error = self._error(q.write, q.file, q.offset, q.nbytes, done, err, eoff, en)
-            self._short_done(q.file, q.hold, q.write, done, error)
-            raise error
-        self._short_done(q.file, q.hold, q.write, done, None)
-        end = q.offset + q.nbytes
-        if q.write and end > q.file.size_hint:
-            q.file.size_hint = end
-        return done
+                self._short_done(q.file, q.hold, q.write, q.offset, q.nbytes, None)
+        return self._short_done(q.file, q.hold, q.write, q.offset, q.nbytes, res)
 
-    def _short_done(self, f: AioFile, hold: object | None, write: bool, done: int,
-                    failed: object) -> None:
-        """A sync short-path request is over: uncount it on the handle and the file."""
+    def _short_done(self, f: AioFile, hold: object | None, write: bool, offset: int, n: int,
+                    res: tuple[int, int, int, int, bool] | None) -> int:
+        """A sync short-path request is over: uncount it on the handle and the file; its
+        bytes, or its error raised. ``res``: the queue's result, None when it failed
+        before it had one (the caller raises that error)."""
+        done, error = 0, None
+        if res is not None:
+            done, err, eoff, en, eof = res
+            if err or eof:
+                error = self._error(write, f, offset, n, done, err, eoff, en)
         with self._lock:
             self._active -= 1
             f._users -= 1
             last = f._users == 0 and f._closed
-            st = self._stats
-            if failed is not None:
-                st.failed += 1
-            elif write:
-                st.write_bytes += done
-                st.writes += 1
-            else:
-                st.read_bytes += done
-                st.reads += 1
+            self._count_outcome(write, done, res is None or error is not None)
             if self._closed and self._active == 0:
                 self._idle.notify_all()
         if hold is not None:
             pinned.registry.unhold(hold)
         if last:
             f._close_fd()
+        if error is not None:
+            raise error
+        if write and res is not None and offset + n > f.size_hint:
+            f.size_hint = offset + n
+        return done
 
     def _complete(self, items: list[tuple[_Ticket, int, int, int, int, bool]]) -> None:
         """The completion thread: a batch of finished short-path requests."""
         closing: list[AioFile] = []
         with self._lock:
-            st = self._stats
             for t, done, err, eoff, en, eof in items:
                 f = t.file
                 f._users -= 1
@@ -1002,15 +981,9 @@ class AioHandle:
                     closing.append(f)
                 if err or eof:
                     t.error = self._error(t.write, f, t.offset, t.nbytes, done, err, eoff, en)
-                    st.failed += 1
-                elif t.write:
-                    st.write_bytes += done
-                    st.writes += 1
-                    if t.offset + done > f.size_hint:
-                        f.size_hint = t.offset + done
-                else:
-                    st.read_bytes += done
-                    st.reads += 1
+                elif t.write and t.offset + done > f.size_hint:
+                    f.size_hint = t.offset + done
+                self._count_outcome(t.write, done, t.error is not None)
                 self._active -= 1
                 self._finished_locked(t, t.error)       # type: ignore[arg-type]
             if self._closed and self._active == 0:
@@ -1158,6 +1131,18 @@ class AioHandle:
             st.buffered_bytes += middle
         st.head_tail_bytes += edges
 
+    def _count_outcome(self, write: bool, done: int, failed: bool) -> None:
+        """A finished request into the stats (the caller holds ``self._lock``)."""
+        st = self._stats
+        if failed:
+            st.failed += 1
+        elif write:
+            st.write_bytes += done
+            st.writes += 1
+        else:
+            st.read_bytes += done
+            st.reads += 1
+
     def _count(self, **deltas: int) -> None:
         with self._lock:
             s = self._stats
@@ -1210,12 +1195,11 @@ class AioHandle:
         try:
             done = self._execute_sync(req)
         except BaseException:
-            self._count(failed=1)
+            with self._lock:
+                self._count_outcome(req.write, 0, True)
             raise
-        if req.write:
-            self._count(write_bytes=done, writes=1)
-        else:
-            self._count(read_bytes=done, reads=1)
+        with self._lock:
+            self._count_outcome(req.write, done, False)
         return done
 
     def _execute_sync(self, req: _Request) -> int:
@@ -1331,15 +1315,7 @@ class AioHandle:
                 pinned.registry.unhold(q.hold)
         done, err, _, _, eof = res
         with self._lock:
-            st = self._stats
-            if err or eof:
-                st.failed += 1
-            elif req.write:
-                st.write_bytes += done
-                st.writes += 1
-            else:
-                st.read_bytes += done
-                st.reads += 1
+            self._count_outcome(req.write, done, bool(err or eof))
         if err or eof:
             exc = self._result_error(req, *res)
             assert exc is not None
@@ -1471,15 +1447,7 @@ class AioHandle:
         if req.file.transient:
             req.file.close()
         with self._lock:
-            st = self._stats
-            if first is not None:
-                st.failed += 1
-            elif req.write:
-                st.write_bytes += token.done
-                st.writes += 1
-            else:
-                st.read_bytes += token.done
-                st.reads += 1
+            self._count_outcome(req.write, token.done, first is not None)
             self._active -= 1
             if self._closed and self._active == 0:
                 self._idle.notify_all()

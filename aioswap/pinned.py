@@ -565,19 +565,7 @@ class PinnedRegistry:
         for :meth:`unhold`, or None when ``[address, address + nbytes)`` is not such memory
         (nothing to count: the request's reference to its buffer keeps any memory alive).
         """
-        if nbytes <= 0:
-            return None
-        span = self._host.find(address, address + nbytes)
-        if span is None:
-            return None
-        rec = span.value
-        if rec.kind != _ALLOCATED:
-            return None
-        with self._io_lock:
-            if not rec.live:
-                return None
-            rec.io += 1
-        return rec
+        return self.io_hold(address, nbytes)[0]
 
     def io_hold(self, address: int, nbytes: int) -> tuple[object | None, bool]:
         """:meth:`hold` and whether ``[address, address + nbytes)`` is page-locked, in one
