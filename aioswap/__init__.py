@@ -8,6 +8,7 @@ from aioswap.errors import (AioswapError, AioswapWarning, ChecksumError, ConfigE
 from aioswap.gds import GdsHandle
 from aioswap.handle import AioFile, AioHandle, HandleStats, IOFuture
 from aioswap.pinned import PinnedRegistry, is_pinned
+from aioswap.stream import Bucket, Stream, offload, onload, stream
 from aioswap.swap import SwapInfo, TensorSwapper
 
 __version__ = "0.1.0"
@@ -19,6 +20,7 @@ __all__ = [
     "AioHandle",
     "AioswapError",
     "AioswapWarning",
+    "Bucket",
     "ChecksumError",
     "ConfigError",
     "CuFileError",
@@ -32,6 +34,7 @@ __all__ = [
     "PinnedMemoryError",
     "PinnedRegistry",
     "ShortReadError",
+    "Stream",
     "SwapError",
     "SwapInfo",
     "TensorSwapper",
@@ -40,5 +43,8 @@ __all__ = [
     "aio_available",
     "dio_alignment",
     "is_pinned",
+    "offload",
+    "onload",
     "open_direct",
+    "stream",
 ]
