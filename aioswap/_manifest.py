@@ -26,10 +26,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from aioswap._units import shape_fits
 from aioswap.errors import SwapError
 
 __all__ = ["LOCK_NAME", "MANIFEST_NAME", "ORPHANS_DIR", "Entry", "Manifest", "SwapDirectory",
-           "is_data_file"]
+           "Tree", "is_data_file"]
 
 _log = logging.getLogger("aioswap")
 
@@ -140,6 +141,8 @@ class Entry:
             raise bad("shape and stride must have the same length")
         if not all(_nonneg_int(v) for v in ints + shape + stride):
             raise bad("offsets, sizes, shape and stride must be integers >= 0")
+        if not shape_fits(shape) or not all(v < 1 << 63 for v in ints + stride):
+            raise bad("shape, stride or sizes too large for any tensor (2**63 elements)")
         if (checksum is None) != (algo is None) or not (
                 checksum is None or (isinstance(checksum, str) and isinstance(algo, str))):
             raise bad("checksum and checksum_algo must be strings or both null")
@@ -375,18 +378,31 @@ class SwapDirectory:
 # The manifest
 
 
+@dataclass(frozen=True)
+class Tree:
+    """The skeleton of a nested state swapped out under a prefix, and its tensors' names."""
+
+    names: tuple[str, ...]
+    skeleton: Any
+
+    def to_json(self) -> dict[str, Any]:
+        return {"names": list(self.names), "tree": self.skeleton}
+
+
 @dataclass
 class Change:
     """Manifest changes waiting for a group commit.
 
     ``files``: data files written for ``puts`` (removed if the change is not published);
-    ``packs``: sizes of new pack files.
+    ``packs``: sizes of new pack files; ``trees``: state skeletons to set (prefix -> the
+    names of its tensors and the skeleton) or, with None, to drop.
     """
 
     puts: list[Entry]
     deletes: list[str]
     files: list[str] = field(default_factory=list)
     packs: dict[str, int] = field(default_factory=dict)
+    trees: dict[str, Tree | None] = field(default_factory=dict)
     done: bool = False
     error: BaseException | None = None
 
@@ -404,6 +420,7 @@ class Manifest:
         self._staged: list[Change] = []
         self.entries: dict[str, Entry] = {}
         self.packs: dict[str, int] = {}
+        self.trees: dict[str, Tree] = {}
         self.seq = 0
         self.version = VERSION
         self._published: object = None
@@ -427,7 +444,7 @@ class Manifest:
             raise
         if fd < 0:
             self._dir.keep_orphans()
-            self._publish(self.entries, self.packs, object())
+            self._publish(self.entries, self.packs, self.trees, object())
             return
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -469,6 +486,16 @@ class Manifest:
             if is_pack_file(e.file) and e.file not in self.packs:
                 raise SwapError(f"manifest {path!r}: entry {e.name!r} names pack {e.file!r}, "
                                 f"which the pack list does not record")
+        trees = doc.get("trees", {})
+        if not isinstance(trees, dict):
+            raise SwapError(f"manifest {path!r}: malformed state skeletons: {trees!r:.200}")
+        for prefix, t in trees.items():
+            names = t.get("names") if isinstance(t, dict) else None
+            if (not isinstance(names, list) or "tree" not in t
+                    or not all(isinstance(n, str) and n in self.entries for n in names)):
+                raise SwapError(f"manifest {path!r}: malformed state skeleton of {prefix!r} "
+                                f"(it must name published tensors): {t!r:.200}")
+            self.trees[prefix] = Tree(tuple(names), t["tree"])
         seq = doc.get("seq", 0)
         self.seq = max([seq if _nonneg_int(seq) else 0]
                        + [e.seq + 1 for e in self.entries.values()])
@@ -514,26 +541,34 @@ class Manifest:
                     batch, self._staged = self._staged, []
                     new = dict(self.entries)
                     packs = dict(self.packs)
+                    trees = dict(self.trees)
                     for c in batch:
                         for e in c.puts:
                             new[e.name] = e
                         for n in c.deletes:
                             new.pop(n, None)
                         packs.update(c.packs)
+                        for prefix, t in c.trees.items():
+                            if t is None:
+                                trees.pop(prefix, None)
+                            else:
+                                trees[prefix] = t
+                    # a skeleton lives only as long as every tensor it names
+                    trees = {p: t for p, t in trees.items() if all(n in new for n in t.names)}
                     old_files = self.referenced(self.entries)
                     new_files = self.referenced(new)
                     packs = {f: s for f, s in packs.items() if f in new_files}
                 marker = object()
                 error: BaseException | None = None
                 try:
-                    self._publish(new, packs, marker)
+                    self._publish(new, packs, trees, marker)
                 except BaseException as exc:
                     error = exc
                 # set by _publish once the rename happened, even if an error came after it
                 published = self._published is marker
                 if published:
                     with self._lock:
-                        self.entries, self.packs = new, packs
+                        self.entries, self.packs, self.trees = new, packs, trees
                 for c in batch:
                     c.error, c.done = error, True
                     for f in c.files:
@@ -548,7 +583,7 @@ class Manifest:
             raise change.error
 
     def _publish(self, entries: Mapping[str, Entry], packs: Mapping[str, int],
-                 marker: object) -> None:
+                 trees: Mapping[str, Tree], marker: object) -> None:
         """Write the manifest atomically; ``self._published = marker`` once renamed into place.
 
         The marker is set even when an error (or a signal) comes after the rename: the new
@@ -558,6 +593,8 @@ class Manifest:
         doc = {"format": FORMAT, "version": VERSION, "seq": self.seq,
                "packs": dict(sorted(packs.items())),
                "entries": [e.to_json() for e in items]}
+        if trees:
+            doc["trees"] = {p: t.to_json() for p, t in trees.items()}
         data = json.dumps(doc, ensure_ascii=True, separators=(",", ":")).encode("ascii")
         tmp = self._dir.join(MANIFEST_TMP)
         renaming = False

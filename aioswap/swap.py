@@ -11,7 +11,10 @@ A swap directory holds, besides whatever else was already in it:
     ``name`` (any ``str``), ``file``, ``offset``, ``nbytes``, ``dtype`` (``"float32"``...),
     ``shape``, ``stride``, ``storage_offset`` (of the tensor that was swapped out),
     ``checksum`` (hex or null), ``checksum_algo`` (``"xxh3_64"``, ``"crc32"`` or null) and
-    ``seq`` (submission order). ``packs`` records the size of every pack file. Replaced
+    ``seq`` (submission order). ``packs`` records the size of every pack file; ``trees``
+    (only when there are any) maps the prefix of each nested state to the names of its
+    tensors and its skeleton, plain JSON (see ``aioswap._tree``), dropped with any of those
+    tensors. Replaced
     atomically: written to ``aioswap-manifest.json.tmp``, fsynced, the directory fsynced (so
     the data files it names are durable entries), ``os.replace``'d, the directory fsynced
     again. Version 1 is the same without ``packs`` (every file is a single-tensor file).
@@ -104,9 +107,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union
 
-from aioswap import _checksum
-from aioswap._claims import NameClaims, Released, Releases, storage_key
-from aioswap._manifest import LOCK_NAME, MANIFEST_NAME, Change, Entry, Manifest, SwapDirectory
+from aioswap import _checksum, _tree
+from aioswap._claims import NameClaims, Released, Releases, guard, storage_key, unguard
+from aioswap._manifest import (LOCK_NAME, MANIFEST_NAME, Change, Entry, Manifest,
+                               SwapDirectory, Tree)
 from aioswap.config import AioConfig
 from aioswap.errors import ChecksumError, HandleClosedError, SwapError
 from aioswap.handle import AioHandle
@@ -1045,6 +1049,7 @@ class TensorSwapper:
         p.nread = e.nbytes
         if p.restore is not None:
             target = p.restore.tensor
+            unguard(target)
             st = target.untyped_storage()
             if st.nbytes() < p.restore.storage_nbytes:
                 st.resize_(p.restore.storage_nbytes)
@@ -1241,6 +1246,8 @@ class TensorSwapper:
             if err is not None:
                 if p.resized is not None:
                     p.resized.resize_(0)    # still released: never hand out unverified data
+                if p.restore is not None and p.restore.tensor.untyped_storage().nbytes() == 0:
+                    guard(p.restore.tensor, p.name)
                 p.fut.set_exception(err)
             else:
                 assert p.target is not None
@@ -1267,11 +1274,11 @@ class TensorSwapper:
                             f"{st.nbytes()} of the {_extent(out)} bytes it spans; released?)")
 
     # -- state dicts -----------------------------------------------------------------------
-    def swap_out_state_dict(self, prefix: str, state_dict: Mapping[str, torch.Tensor], *,
+    def swap_out_state_dict(self, prefix: str, state_dict: Mapping[Any, Any], *,
                             release: bool = False, overwrite: bool = False,
                             async_op: bool = False
                             ) -> list[str] | concurrent.futures.Future[list[str]]:
-        """Swap out every tensor of ``state_dict`` as ``prefix + key``, all or nothing.
+        """Swap out a state: every tensor in ``state_dict``, however nested, all or nothing.
 
         The tensors are packed into one file (or several, each at most ``pack_bytes``), each
         at a 4096-byte aligned offset, written with one batch of asynchronous requests,
@@ -1279,36 +1286,59 @@ class TensorSwapper:
         failed write either all of it is visible or none. ``release`` frees each tensor's
         storage after that update.
 
+        A flat ``{str: tensor}`` dict stores each tensor as ``prefix + key``. Anything else
+        (``optimizer.state_dict()``, ``model.state_dict()``, an LR scheduler's or RNG state:
+        dicts, lists and tuples of tensors and plain values, to any depth) also stores its
+        shape in the manifest as JSON (no pickle), and each tensor as ``prefix`` plus its path
+        of keys and indices joined by ``"."`` (``"opt/state.0.exp_avg"``);
+        :meth:`swap_in_state_dict` gives back an equal structure.
+
         Parameters
         ----------
         prefix : str
-            Prepended to every key as it is (end it with a separator, e.g. ``"opt/"``, so
+            Prepended to every name as it is (end it with a separator, e.g. ``"opt/"``, so
             that one prefix is not the start of another).
-        state_dict : Mapping[str, torch.Tensor]
-            String keys, tensor values (see :meth:`swap_out`).
+        state_dict : Mapping
+            Values: tensors (see :meth:`swap_out`), dicts, lists, tuples, and None, bool, int,
+            float (NaN and infinities too) and str. Keys: those plain values or tuples of
+            them (int keys stay int). Lists and tuples stay apart; an ``OrderedDict`` comes
+            back as one with its ``_metadata``; other subclasses come back as dict, list or
+            tuple (an IntEnum as int).
         release, overwrite, async_op : bool
-            As in :meth:`swap_out`, for every tensor.
+            As in :meth:`swap_out`, for every tensor. ``overwrite`` also replaces a state
+            stored under the same prefix.
 
         Returns
         -------
         list of str or Future of it
-            The names, in the dict's order.
+            The names the tensors were stored under, in the order they were found (dict
+            order, depth first).
 
         Raises
         ------
         SwapError, TypeError, OSError
             As :meth:`swap_out`, checked for every entry before any I/O where possible; a
-            failed write publishes nothing.
+            failed write publishes nothing. TypeError also for a value of another type
+            (naming where it is), SwapError when two tensors would get the same name.
         """
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
-        items: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-        for key, value in state_dict.items():
-            if not isinstance(key, str):
-                raise TypeError(f"state dict keys must be str, got {key!r}")
-            name = prefix + key
-            items.append((name, value, self._check_tensor(name, value, release)))
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"swap_out_state_dict takes a mapping (a state dict), got "
+                            f"{type(state_dict).__name__}")
+        tree: Tree | None = None
+        if _tree.is_flat(state_dict):
+            flat = [(prefix + k, v) for k, v in state_dict.items()]
+        else:
+            skeleton, found = _tree.flatten(prefix, state_dict)
+            flat = [(n, v) for n, _, v in found]
+            tree = Tree(tuple(n for n, _ in flat), skeleton)
+        items = [(n, v, self._check_tensor(n, v, release)) for n, v in flat]
         names = [n for n, _, _ in items]
+        with self._lock:
+            if not overwrite and tree is not None and prefix in self._m.trees:
+                raise SwapError(f"a state is already swapped out as {prefix!r} in "
+                                f"{self._path!r}; pass overwrite=True to replace it")
         if release:
             shared: dict[int, str] = {}
             for n, v, _ in items:
@@ -1328,8 +1358,10 @@ class TensorSwapper:
 
             def finish() -> list[str]:
                 try:
-                    if jobs:
-                        change = self._write_packs(jobs, f"swap_out_state_dict({prefix!r})")
+                    change = (self._write_packs(jobs, f"swap_out_state_dict({prefix!r})")
+                              if jobs else Change([], []))
+                    change.trees[prefix] = tree       # a flat dict drops an older skeleton
+                    if jobs or tree is not None or prefix in self._m.trees:
                         self._m.commit(change)
                     with self._lock:
                         for n, tensor, _ in items:
@@ -1345,24 +1377,31 @@ class TensorSwapper:
             self._unclaim(names, ev)
             raise
 
-    def swap_in_state_dict(self, prefix: str, *, state_dict: dict[str, Any] | None = None,
+    def swap_in_state_dict(self, prefix: str, *, state_dict: dict[Any, Any] | None = None,
                            device: _Device = None, verify: bool | None = None,
                            async_op: bool = False
-                           ) -> dict[str, torch.Tensor] | concurrent.futures.Future[
-                               dict[str, torch.Tensor]]:
-        """Swap in every tensor whose name starts with ``prefix``, keyed without it.
+                           ) -> dict[Any, Any] | concurrent.futures.Future[dict[Any, Any]]:
+        """Swap in the state swapped out as ``prefix``.
+
+        A state stored with its structure (anything but a flat ``{str: tensor}`` dict, see
+        :meth:`swap_out_state_dict`) comes back as an equal structure: same keys (int keys as
+        int), lists as lists, tuples as tuples, plain values as they were, every tensor read
+        back, ready for ``optimizer.load_state_dict()``. Otherwise every tensor whose name
+        starts with ``prefix`` comes back in a flat dict, keyed by the name without it.
 
         All reads are submitted before any is waited for (one batch); each tensor's checksum
         is checked as soon as it has landed. Fresh CPU tensors are page-locked up to
-        ``pin_budget`` bytes (see ``pin_memory``).
+        ``pin_budget`` bytes (see ``pin_memory``); tensors released by ``release=True`` are
+        restored in place, wherever they sit in the structure.
 
         Parameters
         ----------
         prefix : str
             As given to :meth:`swap_out_state_dict`.
         state_dict : dict, optional
-            Fill this dict: a tensor it holds under a key is the ``out`` of that key (released
-            tensors are restored in place either way); other keys are added.
+            Fill this dict: a tensor it holds at a tensor's place (same keys and indices) is
+            that tensor's ``out``; the state's top-level keys are then set in it (nested
+            containers are new ones), other keys are kept.
         device, verify : optional
             As in :meth:`swap_in`.
         async_op : bool
@@ -1371,31 +1410,39 @@ class TensorSwapper:
         Returns
         -------
         dict or Future of dict
-            Keys in the order the tensors were swapped out (``state_dict`` itself if given).
+            The state (an ``OrderedDict`` when one was swapped out), or ``state_dict`` itself
+            filled with it. Flat: keys in the order the tensors were swapped out.
 
         Raises
         ------
         SwapError
-            No name starts with ``prefix``; or as :meth:`swap_in` (the first error, after
+            Nothing is stored under ``prefix``; or as :meth:`swap_in` (the first error, after
             every read has finished).
         """
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
         import torch
         self._check_open()
-        names = self.names(prefix)
-        if not names:
+        with self._lock:
+            tree = self._m.trees.get(prefix)
+        where = f"state {prefix!r} in {self._m.path!r}"
+        paths = [] if tree is None else _tree.leaves(tree.skeleton, where)
+        names = self.names(prefix) if tree is None else [n for n, _ in paths]
+        if not names and tree is None:
             raise SwapError(f"no tensor whose name starts with {prefix!r} is swapped out in "
                             f"{self._path!r}")
-        result: dict[str, Any] = {} if state_dict is None else state_dict
+        result: dict[Any, Any] = {} if state_dict is None else state_dict
         items: list[tuple[str, torch.Tensor | None]] = []
-        for n in names:
-            cur = result.get(n[len(prefix):])
+        for i, n in enumerate(names):
+            cur = result.get(n[len(prefix):]) if tree is None else _tree.find(result, paths[i][1])
             items.append((n, cur if isinstance(cur, torch.Tensor) else None))
         budget = self._pin_budget_now() if self._pin is None else 0
-        futs, job = self._start_reads(items, device, verify, self._pin is True, budget)
+        futs: list[concurrent.futures.Future[torch.Tensor]] = []
+        job: _ReadJob | None = None
+        if items:
+            futs, job = self._start_reads(items, device, verify, self._pin is True, budget)
 
-        def finish() -> dict[str, torch.Tensor]:
+        def finish() -> dict[Any, Any]:
             if job is not None:
                 job()
             concurrent.futures.wait(futs)
@@ -1403,6 +1450,15 @@ class TensorSwapper:
                 exc = f.exception()
                 if exc is not None:
                     raise exc
+            if tree is not None:
+                state = _tree.build(tree.skeleton, {n: f.result() for n, f in zip(names, futs)},
+                                    where)
+                if not isinstance(state, dict):
+                    raise SwapError(f"{where}: the stored state is not a dict")
+                if state_dict is None:
+                    return state
+                result.update(state)
+                return result
             for n, f in zip(names, futs):
                 result[n[len(prefix):]] = f.result()
             return result
@@ -1467,8 +1523,12 @@ class TensorSwapper:
         self._dir.drain()           # removing is for the space: give it back before returning
 
     def clear(self, *, force: bool = False) -> None:
-        """Delete every swap in the directory (see :meth:`remove`)."""
+        """Delete every swap in the directory, states included (see :meth:`remove`)."""
         self.remove_many(self.names(), force=force)
+        with self._lock:
+            drops: dict[str, Tree | None] = {p: None for p in self._m.trees}
+        if drops:
+            self._m.commit(Change([], [], trees=drops))
 
     def compact(self, threshold: float = 0.5) -> int:
         """Rewrite the packs whose live bytes are below ``threshold`` of their size.
