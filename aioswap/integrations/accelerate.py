@@ -1,0 +1,660 @@
+"""accelerate's disk offload, read with batched direct I/O.
+
+After :func:`install`, every ``OffloadedWeightsLoader`` that accelerate builds (in
+``dispatch_model`` for ``device_map`` entries ``"disk"``, as transformers' ``from_pretrained``
+does, and in ``disk_offload``) is an :class:`AioswapWeightsLoader`: the same ``Mapping`` of
+weight name to tensor, over the same files, read differently.
+
+How it reads
+------------
+The stock loader opens and maps a safetensors shard (or a ``.dat`` file) for every weight on
+every forward and lets page faults bring the bytes in, one weight at a time. Here:
+
+* The key set is built in O(n) and nothing is opened at construction.
+* Each file is opened once per loader (``O_DIRECT``, one :class:`~aioswap.AioHandle` per
+  loader) and checked the first time it is used: a safetensors shard must have a valid
+  header (:func:`aioswap.safetensors.read_header`: a truncated file is refused) that names
+  the weight the index points at; a ``.dat`` file must hold exactly the bytes its
+  ``dtype``/``shape`` in ``index.json`` take. Anything else raises :class:`OffloadFileError`.
+* Weights are read in *groups*: the keys of one decoder layer (a key's prefix up to its first
+  numeric component, ``model.layers.7``) or of one module. The first request for a key of a
+  group reads the whole group, plus the groups that follow it up to ``batch_bytes``, in one
+  batched submission into one page-locked buffer (neighbouring tensors of a file in one
+  request).
+* The order in which groups are used is recorded as they are used; when the first tensor of
+  a batch is handed out, the next batch (the groups that came next last time; on the first
+  forward, layer ``N + 1`` after layer ``N``) is submitted, so it is read while this one
+  computes.
+* Every tensor handed out is a view of its batch's buffer with a storage of its own; the
+  buffer is never reused while any such tensor lives (it is freed, back into the locked-memory
+  cache, with the last one), so a tensor the caller keeps is never overwritten.
+
+Without accelerate installed, importing this module works and :func:`install` raises
+:class:`ImportError`.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import os
+import sys
+import threading
+import warnings
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+
+from aioswap import pinned
+from aioswap.errors import AioswapError, AioswapWarning
+from aioswap.handle import AioFile, AioHandle, IOFuture
+from aioswap.safetensors import Header, SafetensorsError, read_header
+
+__all__ = [
+    "AioswapWeightsLoader",
+    "LoaderStats",
+    "OffloadFileError",
+    "install",
+    "installed",
+    "uninstall",
+]
+
+_log = logging.getLogger("aioswap")
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+_NAME = "OffloadedWeightsLoader"
+# Modules of accelerate 1.x that bind the loader's name (big_modeling builds it by that name).
+_EXPECTED = ("accelerate.utils.offload", "accelerate.utils", "accelerate.big_modeling")
+_ALIGN = 4096                 # O_DIRECT offsets and buffer positions
+_MERGE_GAP = 64 << 10         # neighbouring tensors of a file this close share one request
+_BATCH_BYTES = 16 << 20       # default: a batch grows by following groups up to this
+_LIVE_BATCHES = 3             # batches kept readable (being used, prefetched, one more)
+
+# safetensors dtype names -> torch (the ones torch has)
+_ST_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, attr) for name, attr in (
+        ("BOOL", "bool"), ("U8", "uint8"), ("I8", "int8"), ("I16", "int16"),
+        ("U16", "uint16"), ("F16", "float16"), ("BF16", "bfloat16"), ("I32", "int32"),
+        ("U32", "uint32"), ("F32", "float32"), ("C64", "complex64"), ("F64", "float64"),
+        ("I64", "int64"), ("U64", "uint64"), ("F8_E5M2", "float8_e5m2"),
+        ("F8_E4M3", "float8_e4m3fn"), ("F8_E8M0", "float8_e8m0fnu"))
+    if isinstance(getattr(torch, attr, None), torch.dtype)
+}
+
+
+class OffloadFileError(AioswapError, ValueError):
+    """An offload file is not what the offload index says (truncated, replaced, swapped)."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+@dataclass
+class LoaderStats:
+    """What an :class:`AioswapWeightsLoader` has done so far."""
+
+    batches: int = 0          # batched submissions
+    requests: int = 0         # read requests in them
+    bytes_read: int = 0       # bytes those requests read
+    hits: int = 0             # tensors served from a batch read ahead
+    misses: int = 0           # tensors whose batch was read on demand
+    files_opened: int = 0
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """Where one weight's bytes are, and what they are."""
+
+    path: str
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    cast: torch.dtype | None      # safetensors entries: the index's dtype, as stock applies it
+    to_device: bool               # safetensors entries go to the loader's device (stock)
+
+
+@dataclass
+class _Batch:
+    """One batched read: extents of files into one locked buffer."""
+
+    groups: list[str]
+    # key -> (entry, byte position of its data in buf)
+    places: dict[str, tuple[_Entry, int]]
+    buf: memoryview | None
+    futures: list[IOFuture] = field(default_factory=list)
+    nbytes: int = 0
+    used: bool = False            # a tensor of it was handed out (the next one is submitted)
+
+
+def _dat_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a ``.dat`` entry (accelerate stores bf16/fp8 as int16/int8)."""
+    if name == "bfloat16" or name.startswith("float8_"):
+        value = getattr(torch, name, None)
+        if not isinstance(value, torch.dtype):
+            raise ValueError(f"this torch has no dtype {name!r}")
+        return value
+    return torch.from_numpy(np.empty(0, dtype=np.dtype(name))).dtype
+
+
+def _group_of(key: str) -> str:
+    """A key's read group: its prefix up to the first numeric component (a layer), else its
+    module (the key without the last component)."""
+    parts = key.split(".")
+    for i in range(len(parts) - 1):
+        if parts[i].isdigit():
+            return ".".join(parts[:i + 1])
+    return key.rpartition(".")[0]
+
+
+class _Resources:
+    """The handle and open files of a loader (closed by the loader or its finalizer)."""
+
+    def __init__(self, max_open_files: int) -> None:
+        self.handle: AioHandle | None = None
+        self.files: OrderedDict[str, AioFile] = OrderedDict()
+        self.sizes: dict[str, int] = {}          # size of each file when first opened
+        self.max_open_files = max_open_files
+        self.live: deque[_Batch] = deque()
+
+    def open(self, path: str, stats: LoaderStats) -> AioFile:
+        f = self.files.get(path)
+        if f is not None:
+            self.files.move_to_end(path)
+            return f
+        if self.handle is None:
+            self.handle = AioHandle()
+        f = self.handle.open(path, "r")
+        stats.files_opened += 1
+        self.files[path] = f
+        size = f.size()
+        if self.sizes.setdefault(path, size) != size:
+            f.close()
+            del self.files[path]
+            raise OffloadFileError(f"{path!r} changed size while in use ({self.sizes[path]} "
+                                   f"bytes when first opened, {size} now)", path=path)
+        while len(self.files) > self.max_open_files:     # one .dat file per weight: cap fds
+            _, old = self.files.popitem(last=False)
+            old.close()                  # requests in flight on it finish first
+        return f
+
+    def settle(self) -> None:
+        """Drop finished requests from the handle's books once none of ours is running.
+
+        The handle keeps every asynchronous request until ``wait()``; calling it only when
+        all are done never blocks. Errors stay in their futures (raised by the batch that
+        owns them when its tensors are asked for), so the one ``wait()`` re-raises is
+        dropped here.
+        """
+        h = self.handle
+        if h is None or any(not f.done() for b in self.live for f in b.futures):
+            return
+        try:
+            h.wait()
+        except Exception:                # noqa: S110 - see the docstring
+            pass
+
+    def close(self) -> None:
+        for b in self.live:
+            for f in b.futures:
+                f.exception()            # drain before release
+        self.live.clear()
+        self.settle()
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
+        self.sizes.clear()
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+
+class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
+    """accelerate's ``OffloadedWeightsLoader``, reading through aioswap.
+
+    Same constructor and ``Mapping`` behaviour as the stock class (``state_dict`` entries
+    first, then the ``index``; ``index`` defaults to ``save_folder/index.json``), same
+    tensors (bit for bit), same attributes (``state_dict``, ``save_folder``, ``index``,
+    ``all_keys``, ``device``).
+
+    Parameters
+    ----------
+    state_dict : dict of str to torch.Tensor, optional
+        Weights held in memory (returned as they are).
+    save_folder : str or os.PathLike, optional
+        Where ``.dat`` entries (and ``index.json``) are.
+    index : Mapping, optional
+        Weight name to ``{"dtype", "shape"}`` (a ``.dat`` file ``save_folder/<name>.dat``) or
+        ``{"safetensors_file", "weight_name", "dtype"}`` (a tensor of a safetensors file).
+    device : str, int or torch.device, optional
+        Where safetensors entries go (default CPU), as in the stock class.
+    batch_bytes : int
+        A batch grows by the groups that follow its first one up to this many bytes.
+    max_open_files : int
+        Most files kept open at once (least recently used ones are closed).
+
+    Raises
+    ------
+    ValueError
+        None of ``state_dict``, ``save_folder``, ``index`` given.
+
+    Notes
+    -----
+    Lifetime: tensors handed out are views of page-locked memory with storages of their own,
+    freed with the last view. The loader holds at most ``3 * batch_bytes`` (or three
+    groups, when a group is larger) of batches not yet handed out. :meth:`close` frees the
+    handle and files; the loader reopens them when used again. Thread-safe (one lock).
+    """
+
+    def __init__(self, state_dict: Optional[dict[str, torch.Tensor]] = None,
+                 save_folder: Optional[PathLike] = None,
+                 index: Optional[Mapping[str, Any]] = None,
+                 device: Any = None, *, batch_bytes: int = _BATCH_BYTES,
+                 max_open_files: int = 512) -> None:
+        if state_dict is None and save_folder is None and index is None:
+            raise ValueError("Need either a `state_dict`, a `save_folder` or an `index` "
+                             "containing offloaded weights.")
+        self.state_dict: dict[str, torch.Tensor] = {} if state_dict is None else state_dict
+        self.save_folder = save_folder
+        if index is None and save_folder is not None:
+            with open(os.path.join(save_folder, "index.json"), encoding="utf-8") as fh:
+                index = json.load(fh)
+        self.index: Mapping[str, Any] = {} if index is None else index
+        # O(n): dict membership, not the stock class's list scan
+        keys = dict.fromkeys(self.state_dict)
+        keys.update(dict.fromkeys(self.index))
+        self.all_keys: list[str] = list(keys)
+        self.device = device
+        self.batch_bytes = int(batch_bytes)
+        self.stats = LoaderStats()
+        self._lock = threading.RLock()
+        self._res = _Resources(max(1, int(max_open_files)))
+        self._finalizer = weakref.finalize(self, self._res.close)
+        self._entries: dict[str, _Entry] = {}
+        self._headers: dict[str, Header] = {}
+        self._groups: dict[str, list[str]] | None = None     # group -> its index keys
+        self._group_key: dict[str, str] = {}
+        self._next: dict[str, str] = {}                      # group -> the group used next
+        self._last: str | None = None
+        self._ready: dict[str, _Batch] = {}                  # key -> its batch, not handed out
+        _loaders[id(self)] = self
+
+    # -- Mapping -----------------------------------------------------------------------------
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self.state_dict:
+            return self.state_dict[key]
+        if key not in self.index:
+            raise KeyError(key)
+        with self._lock:
+            t, entry = self._take(key)
+        if entry.cast is not None and t.dtype != entry.cast:
+            t = t.to(entry.cast)
+        if entry.to_device:
+            device = torch.device("cpu" if self.device is None else self.device)
+            if t.device != device:
+                t = t.to(device)
+        return t
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.state_dict or key in self.index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.all_keys)
+
+    def __len__(self) -> int:
+        return len(self.all_keys)
+
+    def __repr__(self) -> str:
+        return (f"<AioswapWeightsLoader {len(self.all_keys)} weights "
+                f"({len(self.index)} offloaded)>")
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for reads in flight, close the files and the handle. Idempotent; the loader
+        opens them again when used."""
+        with self._lock:
+            self._ready.clear()
+            self._res.close()
+
+    def __enter__(self) -> AioswapWeightsLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reading -----------------------------------------------------------------------------
+    def _take(self, key: str) -> tuple[torch.Tensor, _Entry]:
+        group = self._group(key)
+        if self._last is not None and self._last != group:
+            self._next[self._last] = group
+        self._last = group
+        batch = self._ready.pop(key, None)
+        if batch is None:
+            self.stats.misses += 1
+            batch = self._submit(group)
+        else:
+            self.stats.hits += 1
+        self._finish(batch)
+        if not batch.used:
+            batch.used = True
+            self._prefetch_after(batch)
+        entry, pos = batch.places[key]
+        t = self._tensor(batch, entry, pos)
+        if not any(self._ready.get(k) is batch for k in batch.places):
+            batch.buf = None             # all handed out: the tensors own the memory now
+            try:
+                self._res.live.remove(batch)
+            except ValueError:
+                pass
+            # what follows may be this batch's own groups again (a model that fits in one
+            # batch, the next token's forward): read it now that they are handed out
+            self._prefetch_after(batch)
+        return t, entry
+
+    def _group(self, key: str) -> str:
+        if self._groups is None:         # built on first use, not in the constructor
+            groups: dict[str, list[str]] = {}
+            for k in self.index:
+                if k in self.state_dict:
+                    continue
+                g = _group_of(k)
+                self._group_key[k] = g
+                groups.setdefault(g, []).append(k)
+            self._groups = groups
+        return self._group_key[key]
+
+    def _successor(self, group: str) -> str | None:
+        nxt = self._next.get(group)
+        if nxt is not None:
+            return nxt
+        # nothing recorded yet (first forward): layer N is followed by layer N + 1
+        head, _, num = group.rpartition(".")
+        if num.isdigit():
+            guess = f"{head}.{int(num) + 1}" if head else str(int(num) + 1)
+            assert self._groups is not None
+            if guess in self._groups:
+                return guess
+        return None
+
+    def _entry(self, key: str) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry
+        info = self.index[key]
+        st_file = info.get("safetensors_file")
+        if st_file is not None:
+            entry = self._safetensors_entry(key, os.fspath(st_file),
+                                            info.get("weight_name", key), info.get("dtype"))
+        else:
+            entry = self._dat_entry(key, info)
+        self._entries[key] = entry
+        return entry
+
+    def _safetensors_entry(self, key: str, path: str, name: str, cast: str | None) -> _Entry:
+        self._res.open(path, self.stats)
+        header = self._headers.get(path)
+        if header is None:
+            try:
+                header = read_header(path)   # the whole header; a truncated file fails
+            except SafetensorsError as exc:
+                raise OffloadFileError(f"offloaded weight {key!r}: {exc}", path=path) from exc
+            if self._res.sizes[path] != header.data_offset + header.data_bytes:
+                raise OffloadFileError(f"{path!r} changed while it was opened", path=path)
+            self._headers[path] = header
+        t = header.tensors.get(name)
+        if t is None:
+            raise OffloadFileError(
+                f"{path!r} has no tensor {name!r}, which the offload index names for "
+                f"{key!r}: the file is not the checkpoint shard the index was built from "
+                f"(replaced or swapped?)", path=path)
+        dtype = _ST_DTYPES.get(t.dtype)
+        if dtype is None:
+            raise OffloadFileError(f"{path!r}: tensor {name!r} has dtype {t.dtype}, which "
+                                   f"this torch cannot hold", path=path)
+        cast_dtype = None
+        if cast is not None:
+            value = getattr(torch, cast, None)
+            if not isinstance(value, torch.dtype):
+                raise ValueError(f"offload index entry {key!r}: unknown dtype {cast!r}")
+            cast_dtype = value
+        return _Entry(path, header.data_offset + t.begin, t.nbytes, dtype, t.shape,
+                      cast_dtype, True)
+
+    def _dat_entry(self, key: str, info: Mapping[str, Any]) -> _Entry:
+        if self.save_folder is None:
+            raise OffloadFileError(f"offload index entry {key!r} is a .dat file but the "
+                                   f"loader has no save_folder", path=str(key))
+        path = os.path.join(os.fspath(self.save_folder), f"{key}.dat")
+        dtype = _dat_dtype(str(info["dtype"]))
+        shape = tuple(int(s) for s in info["shape"])
+        nbytes = math.prod(shape or (1,)) * dtype.itemsize    # a scalar is stored as (1,)
+        self._res.open(path, self.stats)
+        size = self._res.sizes[path]
+        if size != nbytes:
+            raise OffloadFileError(
+                f"{path!r} holds {size} bytes, but the offload index says {key!r} is "
+                f"{info['dtype']} of shape {list(shape)} ({nbytes} bytes): the file is "
+                f"truncated or belongs to another weight", path=path)
+        return _Entry(path, 0, nbytes, dtype, shape, None, False)
+
+    def _submit(self, first: str) -> _Batch:
+        """Read group ``first`` (whose entries must resolve: errors are the caller's) and
+        the groups after it up to ``batch_bytes``, in one submission."""
+        assert self._groups is not None
+        chosen = [first]
+        entries = {k: self._entry(k) for k in self._groups[first]}
+        size = sum(e.nbytes for e in entries.values())
+        nxt = self._successor(first)
+        while (size < self.batch_bytes and nxt is not None and nxt not in chosen
+               and not any(k in self._ready for k in self._groups[nxt])):
+            try:
+                more = {k: self._entry(k) for k in self._groups[nxt]}
+            except Exception:            # its own request will raise it
+                break
+            chosen.append(nxt)
+            entries.update(more)
+            size += sum(e.nbytes for e in more.values())
+            nxt = self._successor(nxt)
+        return self._read(chosen, entries)
+
+    def _prefetch_after(self, batch: _Batch) -> None:
+        assert self._groups is not None
+        nxt = self._successor(batch.groups[-1])
+        if nxt is None or any(k in self._ready for k in self._groups[nxt]):
+            return                       # nothing known, or read already
+        try:
+            self._submit(nxt)
+        except Exception as exc:         # read ahead only: the request for it will raise
+            _log.debug("aioswap: no read-ahead of %s: %s", nxt, exc)
+
+    def _read(self, groups: list[str], entries: dict[str, _Entry]) -> _Batch:
+        # extents: neighbouring tensors of one file in one aligned request
+        order = sorted((e.path, e.offset, k) for k, e in entries.items() if e.nbytes)
+        extents: list[tuple[str, int, int, list[str]]] = []     # path, start, end, keys
+        for path, offset, k in order:
+            e = entries[k]
+            if extents and extents[-1][0] == path and offset - extents[-1][2] <= _MERGE_GAP:
+                p, s, end, ks = extents[-1]
+                extents[-1] = (p, s, max(end, offset + e.nbytes), ks + [k])
+            else:
+                extents.append((path, offset // _ALIGN * _ALIGN, offset + e.nbytes, [k]))
+        total = 0
+        layout = []
+        for path, start, end, ks in extents:
+            f = self._res.open(path, self.stats)
+            n = min(-(-end // _ALIGN) * _ALIGN, self._res.sizes[path]) - start
+            layout.append((f, start, n, total, ks))
+            total += -(-n // _ALIGN) * _ALIGN
+        buf = memoryview(pinned.allocate(total, strict=False)) if total else None
+        places: dict[str, tuple[_Entry, int]] = {
+            k: (e, 0) for k, e in entries.items() if not e.nbytes}
+        requests = []
+        for f, start, n, pos, ks in layout:
+            assert buf is not None
+            requests.append((torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=pos),
+                             f, start))
+            for k in ks:
+                places[k] = (entries[k], pos + entries[k].offset - start)
+        batch = _Batch(groups, places, buf, nbytes=total)
+        if requests:
+            assert self._res.handle is not None
+            futures = self._res.handle.pread_many(requests, async_op=True)
+            batch.futures = [f for f in futures if isinstance(f, IOFuture)]
+        self.stats.batches += 1
+        self.stats.requests += len(requests)
+        self.stats.bytes_read += sum(r[0].numel() for r in requests)
+        live = self._res.live
+        live.append(batch)
+        for k in places:
+            self._ready[k] = batch
+        while len(live) > _LIVE_BATCHES:         # bound what waits to be used
+            old = live.popleft()
+            for k in old.places:
+                if self._ready.get(k) is old:
+                    del self._ready[k]
+            for fut in old.futures:
+                fut.exception()                  # drain before release
+            old.buf = None
+        # (the caller's key is in this batch's places: _take pops it right after)
+        return batch
+
+    def _finish(self, batch: _Batch) -> None:
+        first: BaseException | None = None
+        for f in batch.futures:
+            exc = f.exception()                  # waits (hurried); every one, then raise
+            if exc is not None and first is None:
+                first = exc
+        if first is not None:
+            for k in batch.places:
+                if self._ready.get(k) is batch:
+                    del self._ready[k]
+            try:
+                self._res.live.remove(batch)
+            except ValueError:
+                pass
+            batch.buf = None
+            self._res.settle()
+            raise first
+        self._res.settle()
+
+    @staticmethod
+    def _tensor(batch: _Batch, entry: _Entry, pos: int) -> torch.Tensor:
+        n = entry.nbytes
+        if n == 0 or batch.buf is None:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        size = entry.dtype.itemsize
+        t = torch.frombuffer(batch.buf, dtype=torch.uint8, count=n, offset=pos)
+        if t.data_ptr() % size:                  # misaligned in the file: own memory
+            out = torch.empty(entry.shape, dtype=entry.dtype)
+            out.view(-1).view(torch.uint8).copy_(t)
+            return out
+        return torch.frombuffer(batch.buf, dtype=entry.dtype, count=n // size,
+                                offset=pos).view(entry.shape)
+
+
+# ---------------------------------------------------------------------------------- install
+
+_state_lock = threading.RLock()
+# every loader made (a Mapping is unhashable, so by id)
+_loaders: weakref.WeakValueDictionary[int, AioswapWeightsLoader] = weakref.WeakValueDictionary()
+_stock: type | None = None
+_patched: dict[str, Any] = {}        # module name -> its binding before install
+
+
+def _rebind(old: Any, new: Any) -> list[str]:
+    """Point every imported module's ``OffloadedWeightsLoader`` that is ``old`` at ``new``."""
+    done = []
+    for name, module in list(sys.modules.items()):
+        d = getattr(module, "__dict__", None)
+        if isinstance(d, dict) and d.get(_NAME) is old:
+            d[_NAME] = new
+            done.append(name)
+    return done
+
+
+def install() -> None:
+    """Make accelerate build :class:`AioswapWeightsLoader` wherever it builds its
+    ``OffloadedWeightsLoader``. Idempotent.
+
+    Every imported module that bound the name to accelerate's class (``accelerate.utils``,
+    ``accelerate.utils.offload``, ``accelerate.big_modeling``, and any other) gets aioswap's
+    class; modules imported later find it in accelerate's. Models dispatched before the
+    call keep the loader they have.
+
+    Raises
+    ------
+    ImportError
+        accelerate is not installed (nothing is changed).
+    RuntimeError
+        accelerate has no ``OffloadedWeightsLoader`` where it is expected (nothing is
+        changed).
+
+    Warns
+    -----
+    AioswapWarning
+        One of the modules accelerate 1.x builds the loader from does not bind the name
+        (named in the message); that path keeps the stock loader.
+    """
+    global _stock
+    with _state_lock:
+        if _stock is not None:
+            return
+        try:
+            offload = importlib.import_module("accelerate.utils.offload")
+            for name in _EXPECTED:
+                importlib.import_module(name)
+        except ImportError as exc:
+            raise ImportError(f"aioswap.integrations.accelerate.install(): accelerate is not "
+                              f"importable ({exc}); pip install accelerate") from exc
+        stock = getattr(offload, _NAME, None)
+        if not isinstance(stock, type):
+            raise RuntimeError(f"aioswap.integrations.accelerate.install(): could not patch: "
+                               f"accelerate.utils.offload has no class {_NAME} (accelerate "
+                               f"{_version('accelerate')})")
+        done = _rebind(stock, AioswapWeightsLoader)
+        _stock = stock
+        for name in done:
+            _patched[name] = stock
+        missing = [m for m in _EXPECTED if m not in done]
+        if missing:
+            warnings.warn(f"aioswap.integrations.accelerate.install() could not patch "
+                          f"{', '.join(f'{m}.{_NAME}' for m in missing)} (accelerate "
+                          f"{_version('accelerate')}): weights loaded through "
+                          f"{'it' if len(missing) == 1 else 'them'} use the stock loader",
+                          AioswapWarning, stacklevel=2)
+        _log.info("aioswap: %s replaced in %s", _NAME, ", ".join(done))
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect."""
+    return _stock is not None
+
+
+def uninstall() -> None:
+    """Undo :func:`install` and close the handles and files of every loader made since.
+    Idempotent. Models dispatched while it was installed keep their (now closed) loaders,
+    which reopen their files when used again."""
+    global _stock
+    with _state_lock:
+        if _stock is not None:
+            _rebind(AioswapWeightsLoader, _stock)
+            _stock = None
+            _patched.clear()
+        for loader in list(_loaders.values()):
+            loader.close()
+
+
+def _version(dist: str) -> str:
+    try:
+        from importlib.metadata import version
+        return version(dist)
+    except Exception:
+        return "?"
