@@ -1,0 +1,305 @@
+"""aioswap.integrations.accelerate: accelerate's disk offload read through aioswap gives the
+stock results bit for bit, refuses offload files that are not what the index says, and
+uninstall() gives the stock loader back."""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import aioswap
+import aioswap.integrations.accelerate as ia
+
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+pytestmark = [
+    # accelerate imports DeepSpeed's accelerator probe where DeepSpeed is installed
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:deepspeed"),
+]
+
+IDS = torch.tensor([[1, 7, 42, 3, 99]])
+NEW_TOKENS = 6
+
+
+def _config() -> Any:
+    return transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def model_dir(request: pytest.FixtureRequest,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """A tiny random Llama saved in several shards, and the stock in-memory results."""
+    dtype = request.param
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(), dtype=dtype)
+    path = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(path, max_shard_size=f"{50 * dtype.itemsize}KB")
+    assert len(list(path.glob("*.safetensors"))) >= 3
+    with torch.no_grad():
+        ref = {"logits": model(IDS).logits,
+               "generate": model.generate(IDS, max_new_tokens=NEW_TOKENS, do_sample=False)}
+    yield path, ref
+
+
+@pytest.fixture(autouse=True)
+def _uninstalled() -> Iterator[None]:
+    ia.uninstall()
+    yield
+    ia.uninstall()
+    gc.collect()
+
+
+def _run(model: Any) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        return {"logits": model(IDS).logits,
+                "generate": model.generate(IDS, max_new_tokens=NEW_TOKENS, do_sample=False)}
+
+
+def _weights_maps(model: Any) -> list[Any]:
+    maps = []
+    for m in model.modules():
+        hook = getattr(m, "_hf_hook", None)
+        for h in getattr(hook, "hooks", [hook]):
+            wm = getattr(h, "weights_map", None)
+            wm = getattr(wm, "dataset", wm)
+            if wm is not None:
+                maps.append(wm)
+    return maps
+
+
+def _assert_same(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    assert got["logits"].dtype == ref["logits"].dtype
+    assert torch.equal(got["logits"], ref["logits"])
+    assert torch.equal(got["generate"], ref["generate"])
+
+
+def _aioswap_maps(model: Any) -> list[ia.AioswapWeightsLoader]:
+    maps = list({id(m): m for m in _weights_maps(model)}.values())     # Mappings: no hash
+    assert maps and all(isinstance(m, ia.AioswapWeightsLoader) for m in maps), maps
+    return maps
+
+
+def test_disk_device_map(model_dir: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    path, ref = model_dir
+    ia.install()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, device_map={"": "disk"}, offload_folder=tmp_path / "off")
+    (loader,) = _aioswap_maps(model)
+    _assert_same(_run(model), ref)
+    s = loader.stats
+    # every shard opened once; forwards after the first are served from read-ahead batches
+    assert s.files_opened == len(list(path.glob("*.safetensors")))
+    assert s.hits > 10 * s.misses and s.batches < s.hits
+    # again after close(): files reopen
+    loader.close()
+    _assert_same(_run(model), ref)
+
+
+def test_auto_with_max_memory(model_dir: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    path, ref = model_dir
+    ia.install()
+    nbytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, device_map="auto", max_memory={"cpu": nbytes // 3},
+        offload_folder=tmp_path / "off")
+    devices = set(model.hf_device_map.values())
+    assert "disk" in devices and "cpu" in devices, model.hf_device_map
+    loaders = _aioswap_maps(model)
+    _assert_same(_run(model), ref)
+    assert sum(x.stats.bytes_read for x in loaders) > 0
+
+
+def test_dat_disk_offload(model_dir: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    path, ref = model_dir
+    ia.install()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    accelerate.disk_offload(model, tmp_path / "dat", execution_device="cpu")
+    assert len(list((tmp_path / "dat").glob("*.dat"))) == len(model.state_dict())
+    _aioswap_maps(model)
+    _assert_same(_run(model), ref)
+
+
+def test_dispatch_model_layer_on_disk(model_dir: tuple[Path, dict[str, Any]],
+                                      tmp_path: Path) -> None:
+    path, ref = model_dir
+    ia.install()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu",
+                  "model.layers.1": "disk", "model.layers.2": "disk", "model.layers.3": "cpu",
+                  "model.norm": "cpu", "lm_head": "disk"}
+    accelerate.dispatch_model(model, device_map, offload_dir=tmp_path / "dm")
+    _aioswap_maps(model)
+    _assert_same(_run(model), ref)
+
+
+def test_uninstall_restores_stock(model_dir: tuple[Path, dict[str, Any]],
+                                  tmp_path: Path) -> None:
+    from accelerate import big_modeling, utils
+    from accelerate.utils import offload
+    stock = offload.OffloadedWeightsLoader
+    path, ref = model_dir
+    ia.install()
+    ia.install()                                   # idempotent
+    assert ia.installed()
+    for mod in (big_modeling, utils, offload):
+        assert mod.OffloadedWeightsLoader is ia.AioswapWeightsLoader
+    ia.uninstall()
+    ia.uninstall()
+    assert not ia.installed()
+    for mod in (big_modeling, utils, offload):
+        assert mod.OffloadedWeightsLoader is stock
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, device_map={"": "disk"}, offload_folder=tmp_path / "off")
+    maps = _weights_maps(model)
+    assert maps and all(type(m) is stock for m in maps)
+    _assert_same(_run(model), ref)
+
+
+# -- refused files ---------------------------------------------------------------------------
+
+def _disk_model(path: Path, tmp_path: Path) -> Any:
+    ia.install()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, device_map={"": "disk"}, offload_folder=tmp_path / "off")
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for p in src.iterdir():
+        (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+def test_truncated_shard_refused(model_dir: tuple[Path, dict[str, Any]],
+                                 tmp_path: Path) -> None:
+    path = _copy(model_dir[0], tmp_path / "m")
+    model = _disk_model(path, tmp_path)
+    shard = sorted(path.glob("*.safetensors"))[0]
+    os.truncate(shard, shard.stat().st_size - 100)
+    with pytest.raises(ia.OffloadFileError, match=shard.name) as e, torch.no_grad():
+        model(IDS)
+    assert e.value.path == str(shard)
+
+
+def test_swapped_shards_refused(model_dir: tuple[Path, dict[str, Any]],
+                                tmp_path: Path) -> None:
+    path = _copy(model_dir[0], tmp_path / "m")
+    model = _disk_model(path, tmp_path)
+    a, b = sorted(path.glob("*.safetensors"))[:2]
+    data_a = a.read_bytes()
+    a.write_bytes(b.read_bytes())
+    b.write_bytes(data_a)
+    with pytest.raises(ia.OffloadFileError, match="has no tensor .* swapped"), torch.no_grad():
+        model(IDS)
+
+
+def _dat_model(model_dir: tuple[Path, dict[str, Any]], folder: Path) -> Any:
+    ia.install()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir[0])
+    accelerate.disk_offload(model, folder, execution_device="cpu")
+    return model
+
+
+def test_truncated_dat_refused(model_dir: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    model = _dat_model(model_dir, tmp_path / "dat")
+    f = tmp_path / "dat" / "model.layers.0.mlp.up_proj.weight.dat"
+    os.truncate(f, f.stat().st_size - 2)
+    with pytest.raises(ia.OffloadFileError, match="truncated or belongs to another weight"):
+        with torch.no_grad():
+            model(IDS)
+
+
+def test_swapped_dat_refused(model_dir: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    model = _dat_model(model_dir, tmp_path / "dat")
+    a = tmp_path / "dat" / "model.layers.1.self_attn.q_proj.weight.dat"
+    b = tmp_path / "dat" / "model.layers.1.self_attn.k_proj.weight.dat"    # half its size
+    data_a = a.read_bytes()
+    a.write_bytes(b.read_bytes())
+    b.write_bytes(data_a)
+    with pytest.raises(ia.OffloadFileError, match="q_proj.weight.dat"), torch.no_grad():
+        model(IDS)
+
+
+# -- the loader itself ---------------------------------------------------------------------
+
+def test_loader_matches_stock(model_dir: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    """Every key, in any order, twice; tensors handed out are never overwritten."""
+    from accelerate.utils import OffloadedWeightsLoader, offload_state_dict
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir[0])
+    sd = {k: v for k, v in model.state_dict().items()}
+    sd["scalar"] = torch.tensor(3.5, dtype=sd["lm_head.weight"].dtype)
+    offload_state_dict(tmp_path / "sd", sd)
+    stock = OffloadedWeightsLoader(save_folder=tmp_path / "sd")
+    with ia.AioswapWeightsLoader(save_folder=tmp_path / "sd", batch_bytes=1) as ours:
+        assert list(ours) == list(stock) and len(ours) == len(stock)
+        assert "scalar" in ours and "nope" not in ours
+        with pytest.raises(KeyError):
+            ours["nope"]
+        kept = []
+        for key in list(stock)[::-1] + list(stock):
+            t = ours[key]
+            kept.append((key, t, t.clone()))
+            assert t.dtype == stock[key].dtype and torch.equal(t, stock[key]), key
+        for key, t, copy in kept:
+            assert torch.equal(t, copy), key
+        assert ours.stats.files_opened == len(sd)
+
+
+def test_loader_construction_is_linear() -> None:
+    index = {f"model.layers.{i // 10}.w{i % 10}.weight": {"dtype": "float32", "shape": [1]}
+             for i in range(20000)}
+    import time
+    t0 = time.perf_counter()
+    loader = ia.AioswapWeightsLoader(index=index, save_folder="/nonexistent")
+    assert time.perf_counter() - t0 < 0.5 and len(loader) == 20000
+    loader.close()
+
+
+def test_import_and_install_without_accelerate(tmp_path: Path) -> None:
+    """``import aioswap`` and this module work without accelerate; install() says what is
+    missing."""
+    blocker = tmp_path / "sitecustomize.py"
+    blocker.write_text(
+        "import sys\n"
+        "class _Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('accelerate', 'transformers'):\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, _Block())\n")
+    code = ("import aioswap, aioswap.integrations.accelerate as ia\n"
+            "assert 'accelerate' not in __import__('sys').modules\n"
+            "try:\n    ia.install()\nexcept ImportError as e:\n    print('ERR', e)\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "ERR" in done.stdout and "accelerate" in done.stdout and "pip install" in done.stdout
+
+
+def test_install_warns_naming_what_it_could_not_patch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelerate import big_modeling
+    monkeypatch.delattr(big_modeling, "OffloadedWeightsLoader")
+    with pytest.warns(aioswap.AioswapWarning, match="accelerate.big_modeling.OffloadedWeightsLoader"):
+        ia.install()
+    ia.uninstall()
+    monkeypatch.undo()
+
+
+def test_index_json_default(model_dir: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    """save_folder alone reads index.json, like the stock class."""
+    (tmp_path / "index.json").write_text(json.dumps({"a": {"dtype": "int64", "shape": [3]}}))
+    (tmp_path / "a.dat").write_bytes(torch.arange(3).numpy().tobytes())
+    with ia.AioswapWeightsLoader(save_folder=tmp_path) as loader:
+        assert torch.equal(loader["a"], torch.arange(3))
