@@ -291,7 +291,8 @@ def test_import_and_install_without_accelerate(tmp_path: Path) -> None:
 def test_install_warns_naming_what_it_could_not_patch(monkeypatch: pytest.MonkeyPatch) -> None:
     from accelerate import big_modeling
     monkeypatch.delattr(big_modeling, "OffloadedWeightsLoader")
-    with pytest.warns(aioswap.AioswapWarning, match="accelerate.big_modeling.OffloadedWeightsLoader"):
+    with pytest.warns(aioswap.AioswapWarning,
+                      match="accelerate.big_modeling.OffloadedWeightsLoader"):
         ia.install()
     ia.uninstall()
     monkeypatch.undo()

@@ -204,8 +204,8 @@ class _Resources:
 
     def close(self) -> None:
         for b in self.live:
-            for f in b.futures:
-                f.exception()            # drain before release
+            for fut in b.futures:
+                fut.exception()          # drain before release
         self.live.clear()
         self.settle()
         for f in self.files.values():
