@@ -11,8 +11,8 @@ While the caller computes on bucket *i*, buckets *i+1* .. *i+prefetch* are being
 bucket *i-1* is being written back, so a step costs the largest of compute, read and write
 instead of their sum.
 
-A bucket is a *tag*: the tensors stored under ``tag + "/"`` in the swapper, as
-:func:`offload` writes them (``offload(swapper, "b0", {"param": p, "exp_avg": m})``).
+A bucket is a *tag*: a flat ``{str: tensor}`` state stored under ``tag + "/"`` in the
+swapper, as :func:`offload` writes it (``offload(swapper, "b0", {"param": p, "exp_avg": m})``).
 
 Memory: ``slots = prefetch + 1 (+1 with write_back)`` page-locked arenas, each as large as
 the largest bucket (every tensor at a 4096-byte aligned offset), allocated once when the
@@ -84,92 +84,74 @@ def _prefix(tag: str) -> str:
     return tag + SEP
 
 
-# ----------------------------------------------------------------------------------------
-# Nested state: {"state": {0: {"exp_avg": t}}} <-> {"state/0/exp_avg": t}
-
-
-def _flatten(tree: Any) -> dict[str, torch.Tensor]:
-    """The tensors of a nested dict/list/tuple, keyed by their path joined with ``/``."""
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors in a nested dict/list/tuple, depth first."""
     import torch
     if isinstance(tree, torch.Tensor):
-        raise TypeError("offload takes a mapping (or nested dicts/lists) of tensors, "
-                        "not a single tensor; wrap it: {'x': tensor}")
-    out: dict[str, torch.Tensor] = {}
-
-    def walk(node: Any, path: str) -> None:
-        if isinstance(node, torch.Tensor):
-            if path in out:
-                raise ValueError(f"two tensors of the state map to the key {path!r}")
-            out[path] = node
-            return
-        if isinstance(node, Mapping):
-            items: Any = node.items()
-        elif isinstance(node, (list, tuple)):
-            items = enumerate(node)
-        else:
-            return                      # plain values stay where they are
-        for k, v in items:
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
-                raise TypeError(f"state keys are str or int, got {k!r} at {path!r}")
-            walk(v, f"{path}{SEP}{k}" if path else str(k))
-
-    walk(tree, "")
-    return out
+        return [tree]
+    if isinstance(tree, Mapping):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _tensors(v)]
+    return []
 
 
 # ----------------------------------------------------------------------------------------
 # Offload / onload of a whole state
 
 
-def offload(swapper: TensorSwapper, tag: str, tensors: Any, *,
+def offload(swapper: TensorSwapper, tag: str, state: Mapping[Any, Any], *,
             release: bool = False) -> list[str]:
-    """Write every tensor of ``tensors`` to the swapper under ``tag``, all or nothing.
+    """Write a whole state (every tensor in it) to the swapper under ``tag``, all or nothing.
 
     Parameters
     ----------
     swapper : TensorSwapper
         Where the state goes.
     tag : str
-        Name of the state (no ``/``); its tensors are stored as ``tag + "/" + key``.
-    tensors : mapping or nested dicts/lists/tuples of tensors
-        E.g. ``dict(model.named_parameters())`` or ``optimizer.state_dict()``; nested keys
-        are joined with ``/`` (``"state/0/exp_avg"``); values that are not tensors are left
-        out (they stay in the caller's objects).
+        Name of the state (no ``/``); it is stored as the swapper's state ``tag + "/"``.
+    state : mapping
+        A flat ``{str: tensor}`` dict (e.g. ``dict(model.named_parameters())``; the form
+        :func:`stream` buckets take) or any nested state that
+        :meth:`TensorSwapper.swap_out_state_dict` takes (``optimizer.state_dict()``: dicts,
+        lists, tuples of tensors and plain values), CPU or CUDA tensors.
     release : bool
-        Once the state is durable and published, free each tensor's storage (CPU or CUDA);
-        :func:`onload` restores it in place. Needs tensors that span their whole, resizable
-        storage (parameters, optimizer state; not views, not page-locked tensors).
+        Once the state is durable and published, free each tensor's storage; :func:`onload`
+        restores it in place. Needs tensors that span their whole, resizable storage
+        (parameters, optimizer state; not views, not page-locked tensors).
 
     Returns
     -------
     list of str
-        The keys written, in order.
+        The names of the tensors under the tag (the swapper's names without ``tag + "/"``),
+        in order.
 
     Raises
     ------
     SwapError, TypeError, ValueError, OSError
         As :meth:`TensorSwapper.swap_out_state_dict`; nothing is published on failure, and
-        the last completed offload under ``tag`` stays whole.
+        the last completed offload of ``tag`` stays whole.
 
     Notes
     -----
     One packed :meth:`TensorSwapper.swap_out_state_dict` with ``overwrite=True``: new pack
     files, fsynced, then one atomic manifest replacement, so after a crash the last
-    completed offload of ``tag`` is whole. Tensors an earlier offload of ``tag`` had and this
-    one has not are removed afterwards.
+    completed offload of ``tag`` is whole. Tensors that an earlier offload of ``tag`` had and
+    this one has not are removed afterwards (a second manifest update).
     """
     prefix = _prefix(tag)
-    flat = _flatten(tensors)
-    stale = [n for n in swapper.names(prefix) if n[len(prefix):] not in flat]
-    names = swapper.swap_out_state_dict(prefix, flat, release=release, overwrite=True)
+    before = swapper.names(prefix)
+    names = swapper.swap_out_state_dict(prefix, state, release=release, overwrite=True)
     assert isinstance(names, list)
+    kept = set(names)
+    stale = [n for n in before if n not in kept and n in swapper]
     if stale:
         swapper.remove_many(stale, force=True)
     return [n[len(prefix):] for n in names]
 
 
-def onload(swapper: TensorSwapper, tag: str, *, into: Any = None, device: _Device = None,
-           verify: bool | None = None) -> Any:
+def onload(swapper: TensorSwapper, tag: str, *, into: Mapping[Any, Any] | None = None,
+           device: _Device = None, verify: bool | None = None) -> Any:
     """Read the state written by :func:`offload` under ``tag``.
 
     Parameters
@@ -178,11 +160,13 @@ def onload(swapper: TensorSwapper, tag: str, *, into: Any = None, device: _Devic
         Where the state is.
     tag : str
         As given to :func:`offload`.
-    into : mapping or nested dicts/lists/tuples of tensors, optional
-        Restore into these tensors in place (same structure as given to :func:`offload`;
-        each tensor must have the recorded shape and dtype). Tensors released by
-        ``offload(..., release=True)`` are restored into their own storage, so every
-        reference to them (views included) sees the data again.
+    into : mapping, optional
+        Restore into the tensors of this state in place: the same structure as given to
+        :func:`offload` (e.g. ``dict(model.named_parameters())`` or
+        ``optimizer.state_dict()``, whose tensors are the optimizer's own), each tensor of the
+        recorded shape and dtype, CPU or CUDA. Tensors released by ``offload(...,
+        release=True)`` are restored into their own storage, so every reference to them
+        (views included) sees the data again. ``into`` itself is not modified otherwise.
     device : str, torch.device or int, optional
         Without ``into``: where to allocate the tensors (default CPU).
     verify : bool, optional
@@ -191,31 +175,40 @@ def onload(swapper: TensorSwapper, tag: str, *, into: Any = None, device: _Devic
     Returns
     -------
     Any
-        ``into`` itself, restored; without it, a dict of the tensors by key.
+        ``into`` itself, restored; without it, the state as
+        :meth:`TensorSwapper.swap_in_state_dict` returns it.
 
     Raises
     ------
     SwapError
-        Nothing stored under ``tag``; a key of ``into`` is not stored; a wrong shape or
-        dtype; a checksum mismatch (:class:`~aioswap.errors.ChecksumError`).
+        Nothing stored under ``tag``; a tensor of ``into`` has no place in the stored state
+        (for a nested state: raised after the reads); a wrong shape or dtype; a checksum mismatch
+        (:class:`~aioswap.errors.ChecksumError`).
     """
     prefix = _prefix(tag)
-    stored = [n[len(prefix):] for n in swapper.names(prefix)]
-    if not stored:
-        raise SwapError(f"nothing is offloaded under tag {tag!r} in {swapper.directory!r}")
     if into is None:
-        got = swapper.swap_in_state_dict(prefix, device=device, verify=verify)
-        assert isinstance(got, dict)
-        return got
-    flat = _flatten(into)
-    have = set(stored)
-    missing = [k for k in flat if k not in have]
-    if missing:
-        raise SwapError(f"onload of {tag!r}: {missing[0]!r} is not in the offloaded state "
-                        f"({len(stored)} tensors: {stored[:3]}...)")
-    # every stored tensor is read in the one batch; keys that `into` lacks (left by an
-    # offload interrupted before it removed them) get fresh tensors, dropped here
-    swapper.swap_in_state_dict(prefix, state_dict=dict(flat), device=device, verify=verify)
+        return swapper.swap_in_state_dict(prefix, device=device, verify=verify)
+    if not isinstance(into, Mapping):
+        raise TypeError(f"onload into= takes a mapping (a state), got {type(into).__name__}")
+    import torch
+    flat = all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in into.items())
+    if flat:
+        stored = {n[len(prefix):] for n in swapper.names(prefix)}
+        extra = [k for k in into if k not in stored]
+        if extra:
+            raise SwapError(f"onload of {tag!r}: {extra[0]!r} is not in the offloaded state "
+                            f"({len(stored)} tensors)")
+    # a shallow copy: the swapper sets the state's top-level keys in the dict it fills;
+    # the tensors found in it are read into in place
+    got = swapper.swap_in_state_dict(prefix, state_dict=dict(into), device=device,
+                                     verify=verify)
+    if not flat:
+        read = {id(t) for t in _tensors(got)}
+        missing = [t for t in _tensors(into) if id(t) not in read]
+        if missing:
+            raise SwapError(f"onload of {tag!r}: {len(missing)} tensor(s) of into= (the first "
+                            f"of shape {tuple(missing[0].shape)}) have no place in the "
+                            f"offloaded state and were not restored")
     return into
 
 
@@ -298,8 +291,8 @@ def _read(swapper: TensorSwapper, prefix: str, views: dict[str, torch.Tensor],
     got = swapper.swap_in_state_dict(prefix, state_dict=views, verify=verify)
     assert isinstance(got, dict)
     if list(got) != want:
-        raise SwapError(f"the tensors stored under {prefix!r} changed while the stream ran "
-                        f"(now {sorted(got)[:4]}...)")
+        raise SwapError(f"stream: bucket {prefix[:-1]!r} is not the flat {{str: tensor}} state "
+                        f"the stream started with (changed meanwhile, or a nested state)")
 
 
 def _write(swapper: TensorSwapper, prefix: str, views: dict[str, torch.Tensor]) -> None:
