@@ -2,8 +2,8 @@
 exits 0, prints its figures and leaves no file behind; and ``benchmarks/_common.py``, which they
 share, and the rule that they use aioswap's public API only.
 
-bench_engine.py, bench_pinned.py, bench_swap.py, bench_dcp.py and bench_safetensors.py are
-smoke-tested by their owners' test files.
+bench_engine.py, bench_pinned.py, bench_swap.py, bench_dcp.py, bench_safetensors.py and
+bench_stream.py are smoke-tested by their owners' test files.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 TESTED_HERE = {"bench_formats.py", "bench_handle.py", "gpu_check.py"}
 TESTED_ELSEWHERE = {"bench_engine.py", "bench_pinned.py", "bench_swap.py", "bench_dcp.py",
-                    "bench_safetensors.py", "bench_small_io.py"}
+                    "bench_safetensors.py", "bench_small_io.py", "bench_stream.py"}
 MINE = {"_common.py", "bench_engine.py", "bench_formats.py", "bench_pinned.py"}
 TIMEOUT = 300
 NUMBER = r"\d+\.\d\d"
