@@ -234,7 +234,9 @@ def test_swapped_dat_refused(model_dir: tuple[Path, dict[str, Any]], tmp_path: P
 
 # -- the loader itself ---------------------------------------------------------------------
 
-def test_loader_matches_stock(model_dir: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+@pytest.mark.parametrize("batch_bytes", [1, 16 << 20])
+def test_loader_matches_stock(model_dir: tuple[Path, dict[str, Any]], tmp_path: Path,
+                              batch_bytes: int) -> None:
     """Every key, in any order, twice; tensors handed out are never overwritten."""
     from accelerate.utils import OffloadedWeightsLoader, offload_state_dict
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir[0])
@@ -242,13 +244,16 @@ def test_loader_matches_stock(model_dir: tuple[Path, dict[str, Any]], tmp_path: 
     sd["scalar"] = torch.tensor(3.5, dtype=sd["lm_head.weight"].dtype)
     offload_state_dict(tmp_path / "sd", sd)
     stock = OffloadedWeightsLoader(save_folder=tmp_path / "sd")
-    with ia.AioswapWeightsLoader(save_folder=tmp_path / "sd", batch_bytes=1) as ours:
+    with ia.AioswapWeightsLoader(save_folder=tmp_path / "sd", batch_bytes=batch_bytes) as ours:
         assert list(ours) == list(stock) and len(ours) == len(stock)
         assert "scalar" in ours and "nope" not in ours
         with pytest.raises(KeyError):
             ours["nope"]
         kept = []
-        for key in list(stock)[::-1] + list(stock):
+        keys = list(stock)
+        shuffled = [keys[i] for i in torch.randperm(len(keys), generator=torch.Generator()
+                                                    .manual_seed(1)).tolist()]
+        for key in keys[::-1] + keys + shuffled + keys:     # read-ahead right and wrong
             t = ours[key]
             kept.append((key, t, t.clone()))
             assert t.dtype == stock[key].dtype and torch.equal(t, stock[key]), key

@@ -133,6 +133,7 @@ class _Batch:
     futures: list[IOFuture] = field(default_factory=list)
     nbytes: int = 0
     used: bool = False            # a tensor of it was handed out (the next one is submitted)
+    left: int = 0                 # keys of it still in the loader's ready set
 
 
 def _dat_dtype(name: str) -> torch.dtype:
@@ -340,15 +341,17 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         if batch is None:
             self.stats.misses += 1
             batch = self._submit(group)
+            del self._ready[key]
         else:
             self.stats.hits += 1
         self._finish(batch)
+        entry, pos = batch.places[key]
+        t = self._tensor(batch, entry, pos)      # before a read-ahead may retire the batch
         if not batch.used:
             batch.used = True
             self._prefetch_after(batch)
-        entry, pos = batch.places[key]
-        t = self._tensor(batch, entry, pos)
-        if not any(self._ready.get(k) is batch for k in batch.places):
+        batch.left -= 1
+        if batch.left <= 0:
             batch.buf = None             # all handed out: the tensors own the memory now
             try:
                 self._res.live.remove(batch)
@@ -514,12 +517,17 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         live = self._res.live
         live.append(batch)
         for k in places:
+            old_batch = self._ready.get(k)
+            if old_batch is not None:            # read again: the older copy is not used
+                old_batch.left -= 1
             self._ready[k] = batch
+        batch.left = len(places)
         while len(live) > _LIVE_BATCHES:         # bound what waits to be used
             old = live.popleft()
             for k in old.places:
                 if self._ready.get(k) is old:
                     del self._ready[k]
+            old.left = 0
             for fut in old.futures:
                 fut.exception()                  # drain before release
             old.buf = None
@@ -548,8 +556,9 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
     @staticmethod
     def _tensor(batch: _Batch, entry: _Entry, pos: int) -> torch.Tensor:
         n = entry.nbytes
-        if n == 0 or batch.buf is None:
+        if n == 0:
             return torch.empty(entry.shape, dtype=entry.dtype)
+        assert batch.buf is not None, "a batch's buffer is dropped only after its tensors"
         size = entry.dtype.itemsize
         t = torch.frombuffer(batch.buf, dtype=torch.uint8, count=n, offset=pos)
         if t.data_ptr() % size:                  # misaligned in the file: own memory
