@@ -20,6 +20,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import shutil
 import statistics
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from aioswap._units import GB, UNITS_NOTE, format_size, parse_size, short_size
-from aioswap.config import DEFAULT_CONFIG, AioConfig, default_config
+from aioswap.config import DEFAULT_CONFIG, AioConfig, default_config, runtime_settings
 from aioswap.errors import ConfigError, DirectIOUnsupportedError, TuneError
 from aioswap.tune.measure import cap_ipc_lock, memory_available, read_text
 from aioswap.tune.measure import drop_cache
@@ -65,6 +66,13 @@ class _Parser(argparse.ArgumentParser):
 
 def _size_type(minimum: int = 1) -> Callable[[str], int]:
     def size(text: str) -> int:
+        if text.strip()[-2:].upper() in ("KB", "MB", "GB", "TB"):
+            # the tables' GB is 10^9 while sizes count in 1024s: refuse the ambiguous spelling
+            unit = text.strip()[-2].upper()
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is ambiguous: sizes count in powers of 1024, so write "
+                f"{text.strip()[:-1]} or {text.strip()[:-1]}iB ({unit} = 1024^"
+                f"{'KMGT'.index(unit) + 1} bytes), or the number of bytes")
         try:
             return parse_size(text, minimum=minimum)
         except ValueError as e:
@@ -136,8 +144,10 @@ def _scratch(directory: str, stem: str) -> Iterator[str]:
     try:
         fd, path = tempfile.mkstemp(prefix=f".aioswap-{stem}-", suffix=".bin", dir=directory)
     except OSError as e:
-        raise UsageError(f"cannot create a file in {directory}: "
-                         f"{os.strerror(e.errno or errno.EIO)}") from None
+        raise UsageError(f"cannot create a file in {directory} "
+                         f"({os.strerror(e.errno or errno.EIO)}): it must be a writable "
+                         f"directory on a file system that holds files (e.g. on the drive to "
+                         f"measure)") from None
     os.close(fd)
     try:
         yield path
@@ -301,7 +311,10 @@ def _format_info(info: dict[str, Any]) -> str:
 
 
 def cmd_info(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
-    directory = _check_dir(args.dir_pos or args.dir)
+    if args.dir_pos is not None and args.dir is not None and args.dir_pos != args.dir:
+        raise UsageError(f"two directories given ({args.dir_pos!r} and --dir {args.dir!r}); "
+                         f"give one")
+    directory = _check_dir(args.dir_pos or args.dir or ".")
     info = gather_info(directory)
     out.write((json.dumps(info, indent=2) if args.json else _format_info(info)) + "\n")
     out.flush()
@@ -394,7 +407,7 @@ def run_bench(directory: str, size: int, *, config: AioConfig, repeat: int, warm
     """
     torch = _need_torch("bench")
     from aioswap import pinned
-    from aioswap.errors import AioswapWarning, PinnedMemoryError
+    from aioswap.errors import AioswapWarning, PinnedMemoryError, PinnedMemoryWarning
     from aioswap.handle import AioHandle
 
     probe = _probe_direct(directory)
@@ -452,6 +465,12 @@ def run_bench(directory: str, size: int, *, config: AioConfig, repeat: int, warm
     for w in caught:
         if issubclass(w.category, AioswapWarning):
             first = str(w.message).split(". ")[0].rstrip(".")
+            if issubclass(w.category, PinnedMemoryWarning):
+                soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+                lim = "unlimited" if soft == resource.RLIM_INFINITY else format_size(soft)
+                first = (f"the handle's bounce buffers are not page-locked ({first}, beyond "
+                         f"RLIMIT_MEMLOCK {lim}): the bounce row staged through unlocked "
+                         f"memory instead, which is slower; ulimit -l unlimited lifts it")
             if first not in notes:
                 notes.append(first)
     aligned = size - size % probe["dio_offset_align"]
@@ -627,6 +646,8 @@ def _config_from_args(args: argparse.Namespace) -> AioConfig:
 
 # ------------------------------------------------------------------------------- tune
 
+_DISK_FULL = re.compile(rf"\[Errno ({errno.ENOSPC}|{errno.EFBIG}|{errno.EDQUOT})\]")
+
 
 def run_tune(*, dirs: Sequence[str], io_size: int, direction: tune_mod.Direction,
              use_gds: bool = False, search: tune_mod.SearchKind = "fast", repeat: int = 3,
@@ -675,6 +696,12 @@ def run_tune(*, dirs: Sequence[str], io_size: int, direction: tune_mod.Direction
         if bar is not None:
             bar.close()
     best_json = None if report.best is None else report.best.to_json(wrap=True)
+    full = _DISK_FULL.search(report.error or "") if best_json is None else None
+    if full is not None:
+        code = int(full.group(1))
+        raise UsageError(f"{', '.join(str(d) for d in dirs)}: {os.strerror(code)} (the disk, a "
+                         f"quota or ulimit -f ran out: free space or use a smaller --io-size); "
+                         f"logs in {report.log_dir}")
     if as_json:
         out.write(json.dumps(report.to_json_dict(), indent=2) + "\n")
     else:
@@ -702,6 +729,39 @@ def run_tune(*, dirs: Sequence[str], io_size: int, direction: tune_mod.Direction
     return 0
 
 
+def _check_plot_format(target: str) -> None:
+    """``--plot`` needs matplotlib, and a file extension it can draw."""
+    try:
+        from matplotlib import backend_bases
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'aioswap[plot]'") from None
+    kinds = sorted(backend_bases.FigureCanvasBase.get_supported_filetypes())
+    ext = os.path.splitext(target)[1][1:].lower()
+    if ext not in kinds:
+        raise UsageError(f"--plot {target}: matplotlib cannot draw a .{ext} file; use one of "
+                         f"{', '.join('.' + k for k in kinds)}")
+
+
+def _check_output(flag: str, target: str, *, directory: bool = False) -> None:
+    """Refuse an output path that the end of a run could not write (checked up front)."""
+    path = os.path.abspath(target)
+    parent = os.path.dirname(path)
+    if directory:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise UsageError(f"{flag} {target}: exists and is not a directory")
+        if os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK):
+            raise UsageError(f"{flag} {target}: the directory is not writable")
+    elif os.path.isdir(path):
+        raise UsageError(f"{flag} {target}: is a directory; give a file name")
+    if not os.path.isdir(parent):
+        raise UsageError(f"{flag} {target}: its directory does not exist ({parent}); "
+                         f"create it first")
+    if not os.path.exists(path) and not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {target}: its directory is not writable")
+    if os.path.exists(path) and not directory and not os.access(path, os.W_OK):
+        raise UsageError(f"{flag} {target}: the file is not writable")
+
+
 def cmd_tune(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
     dirs = [_check_dir(d) for d in args.dir]
     for d in dirs:
@@ -711,17 +771,22 @@ def cmd_tune(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
         ram = _ram_warning(d, _fs_type(d))
         if ram:
             err.write(f"aioswap tune: warning: {ram}\n")
-    for what, target in (("--output", args.output), ("--plot", args.plot)):
-        if target is not None and not os.path.isdir(os.path.dirname(os.path.abspath(target))):
-            raise UsageError(f"{what} {target!r}: its directory does not exist")
-    if args.log_dir is not None and os.path.exists(args.log_dir) \
-            and not os.path.isdir(args.log_dir):
-        raise UsageError(f"--log-dir {args.log_dir!r} exists and is not a directory")
+    # every output is checked before the sweep: a sweep takes minutes, a typo must not cost them
+    if args.plot is not None and not os.path.splitext(args.plot)[1]:
+        args.plot += ".png"         # what matplotlib would write; the message names it
+    for what, target in (("--output", args.output), ("--plot", args.plot),
+                         ("--log-dir", args.log_dir)):
+        if target is not None:
+            _check_output(what, target, directory=what == "--log-dir")
     if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install 'aioswap[plot]'") from None
+        _check_plot_format(args.plot)
+    share = -(-args.io_size // len(dirs))
+    for d in dirs:
+        free = shutil.disk_usage(d).free
+        if free < share + _SLACK:
+            raise UsageError(f"{d} has {format_size(free)} free; tune needs "
+                             f"{format_size(share)} there plus 64 MiB: free space or use a "
+                             f"smaller --io-size")
     direction: tune_mod.Direction = ("write" if args.no_read else
                                      "read" if args.no_write else "both")
     return run_tune(dirs=dirs, io_size=args.io_size, direction=direction, use_gds=args.gds,
@@ -765,11 +830,11 @@ def build_parser() -> argparse.ArgumentParser:
                         description="What this machine supports: kernel AIO, O_DIRECT and its "
                                     "alignment in DIR, the drive under DIR (/sys), memlock, "
                                     "cuFile and GPUs.")
-    pi.add_argument("--dir", default=".", help="directory to probe (default: .)")
+    pi.add_argument("--dir", default=None, help="directory to probe (default: .)")
     pi.add_argument("dir_pos", nargs="?", default=None, metavar="DIR",
                     help="same as --dir (kept for older scripts)")
     pi.add_argument("--json", action="store_true", help="print JSON")
-    pi.set_defaults(func=cmd_info)
+    pi.set_defaults(func=cmd_info, parser=pi)
 
     pb = sub.add_parser("bench", help="aioswap direct/bounce against buffered I/O",
                         description="Write and read one file with aioswap (direct from pinned "
@@ -794,7 +859,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--json", action="store_true", help="print JSON")
     pb.add_argument("--no-progress", action="store_true",
                     help="no progress bar (it is drawn only when stderr is a terminal)")
-    pb.set_defaults(func=cmd_bench)
+    pb.set_defaults(func=cmd_bench, parser=pb)
 
     pt = sub.add_parser("tune", help="sweep the knobs and print the best 'aio' section",
                         description="Sweep block size x queue depth x parallelism x submit/"
@@ -829,11 +894,14 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--json", action="store_true", help="print results as JSON")
     pt.add_argument("--no-progress", action="store_true",
                     help="no progress bar (it is drawn only when stderr is a terminal)")
-    pt.set_defaults(func=cmd_tune)
+    pt.set_defaults(func=cmd_tune, parser=pt)
     return p
 
 
-def _os_error_line(exc: OSError) -> str:
+_SIZE_FLAG = {"bench": "--size", "tune": "--io-size"}
+
+
+def _os_error_line(exc: OSError, command: str = "bench") -> str:
     what = os.strerror(exc.errno) if exc.errno else str(exc)
     name = os.fsdecode(exc.filename) if exc.filename else ""
     if len(name) > 1 and name[0] == name[-1] and name[0] in "'\"":
@@ -841,7 +909,9 @@ def _os_error_line(exc: OSError) -> str:
     where = f"{name}: " if name else ""
     hint = ""
     if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-        hint = " (the disk, a quota or ulimit -f ran out: free space or use a smaller --size)"
+        flag = _SIZE_FLAG.get(command)
+        hint = (f" (the disk, a quota or ulimit -f ran out: free space or use a smaller {flag})"
+                if flag else " (the disk or the device the output goes to is full)")
     elif exc.errno == errno.EIO:
         hint = " (the drive reported an I/O error)"
     return f"{where}{what}{hint}"
@@ -850,11 +920,14 @@ def _os_error_line(exc: OSError) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; return its exit status (see the module docstring)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:       # named by the subcommand's parser, so the hint points to its --help
+        args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
     out, err = sys.stdout, sys.stderr
     name = f"aioswap {args.command}"
     try:
         try:
+            runtime_settings()          # a bad AIOSWAP_* variable: one line, status 2
             return int(args.func(args, out, err))
         except UsageError as exc:
             err.write(f"{name}: error: {exc}\n")
@@ -863,13 +936,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             err.write(f"{name}: error: {exc}\n")
             return 2
         except MemoryError as exc:
-            err.write(f"{name}: error: out of memory ({exc or 'allocation refused'}): use a "
-                      f"smaller --size\n")
+            flag = _SIZE_FLAG.get(args.command)
+            err.write(f"{name}: error: out of memory ({exc or 'allocation refused'})"
+                      + (f": use a smaller {flag}\n" if flag else "\n"))
             return 2
         except BrokenPipeError:
             raise
         except OSError as exc:
-            err.write(f"{name}: error: {_os_error_line(exc)}\n")
+            try:
+                out.flush()
+            except OSError:
+                # stdout itself failed (aioswap info > /dev/full): do not fail again at exit
+                with contextlib.suppress(OSError, ValueError):
+                    devnull = os.open(os.devnull, os.O_WRONLY)
+                    os.dup2(devnull, out.fileno())
+            err.write(f"{name}: error: {_os_error_line(exc, args.command)}\n")
             return 2
         except KeyboardInterrupt:
             err.write(f"{name}: interrupted\n")

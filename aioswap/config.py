@@ -21,13 +21,12 @@ import json
 import logging
 import math
 import os
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from aioswap._units import parse_size
-from aioswap.errors import AioswapWarning, ConfigError
+from aioswap.errors import ConfigError
 
 __all__ = ["AIO_SECTION", "DEEPSPEED_DEFAULTS", "DEFAULT_CONFIG", "ENVIRONMENT", "MAX_BLOCK_SIZE",
            "MAX_PARALLELISM", "MAX_QUEUE_DEPTH", "AioConfig", "RuntimeSettings", "default_config",
@@ -432,6 +431,10 @@ def runtime_settings(environ: Mapping[str, str] | None = None) -> RuntimeSetting
         buffered = _env_bool("AIOSWAP_BUFFERED", env.get("AIOSWAP_BUFFERED", "0"))
     except ConfigError as e:
         problems.append(str(e))
+    try:        # read at interpreter start by the .pth hook; checked here so tools report it
+        _env_bool("AIOSWAP_DEEPSPEED", env.get("AIOSWAP_DEEPSPEED", "0"))
+    except ConfigError as e:
+        problems.append(str(e))
     if env.get("AIOSWAP_POOL_SIZE") is not None:
         try:
             pool = _env_int("AIOSWAP_POOL_SIZE", env["AIOSWAP_POOL_SIZE"], size=True)
@@ -469,16 +472,11 @@ def default_config(environ: Mapping[str, str] | None = None) -> AioConfig:
 
 def _apply_log_level() -> None:
     """``AIOSWAP_LOG_LEVEL`` sets the level of the ``aioswap`` logger (handlers are the
-    application's business); a bad value warns instead of breaking the import."""
-    text = os.environ.get("AIOSWAP_LOG_LEVEL")
-    if not text:
-        return
-    level = text.strip().upper()
-    if level not in _LEVELS:
-        warnings.warn(f"AIOSWAP_LOG_LEVEL={text!r} ignored: expected one of {', '.join(_LEVELS)}",
-                      AioswapWarning, stacklevel=2)
-        return
-    logging.getLogger("aioswap").setLevel(level)
+    application's business). A bad value does not break the import: it is left alone here
+    and raised as :class:`ConfigError` by :func:`runtime_settings` (every handle, the tools)."""
+    level = os.environ.get("AIOSWAP_LOG_LEVEL", "").strip().upper()
+    if level in _LEVELS:
+        logging.getLogger("aioswap").setLevel(level)
 
 
 _apply_log_level()

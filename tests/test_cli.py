@@ -492,7 +492,9 @@ def test_bench_as_a_normal_user(disk: Path) -> None:
 def test_tune_as_a_normal_user_stops_at_once(disk: Path, tmp_path: Path) -> None:
     done = run_cli("tune", "--dir", disk, "--io-size", "16M", "--log-dir", tmp_path / "logs",
                    "--no-progress", prefix=NO_IPC_LOCK, timeout=60)
-    assert_usage_error(done, "page-locked memory", "RLIMIT_MEMLOCK is 8 MiB", "ulimit -l")
+    assert_usage_error(done, "needs 17 MiB of page-locked memory",
+                       "9 MiB more than RLIMIT_MEMLOCK allows (8 MiB", "ulimit -l",
+                       "--io-size 7M or less")
     assert listing(disk) == [] and not (tmp_path / "logs").exists()
 
 
@@ -794,4 +796,89 @@ def test_tune_full_grid_default_size(disk: Path, tmp_path: Path) -> None:
                    "--no-progress", timeout=1800)
     assert done.returncode == 0, done.stderr
     assert_real_section(best_section(done.stdout))
+    assert listing(disk) == []
+
+
+# -- one line, exit status 2, for every kind of bad input (issue 25) ---------------------------
+
+
+def test_unknown_flag_points_to_the_subcommand_help(disk: Path) -> None:
+    done = run_cli("tune", "--dir", disk, "--bogus")
+    assert_usage_error(done, "aioswap tune: error: unrecognized arguments: --bogus",
+                       "'aioswap tune --help'")
+
+
+def test_info_two_directories_is_an_error(disk: Path, tmp_path: Path) -> None:
+    assert_usage_error(run_cli("info", disk, "--dir", tmp_path), "two directories given")
+    assert run_cli("info", disk, "--dir", disk).returncode == 0
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_info_into_a_full_device(disk: Path) -> None:
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "aioswap", "info", "--dir", str(disk)],
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=TIMEOUT,
+                              check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "aioswap info: error: No space left on device (the disk or the device the output goes "
+        "to is full)"], done.stderr
+
+
+@pytest.mark.parametrize("var, value", [("AIOSWAP_LOG_LEVEL", "loud"),
+                                        ("AIOSWAP_DEEPSPEED", "maybe")])
+@pytest.mark.parametrize("command", ["info", "bench"])
+def test_bad_environment_variable_is_status_2_everywhere(disk: Path, command: str, var: str,
+                                                         value: str) -> None:
+    args = ["info", "--dir", str(disk)] if command == "info" else bench_args(disk)
+    assert_usage_error(run_cli(*args, env={var: value}), f"{var}={value!r}")
+    assert listing(disk) == []
+
+
+@pytest.mark.parametrize("text", ["1GB", "64mb", "4KB"])
+def test_decimal_looking_sizes_are_refused(disk: Path, text: str) -> None:
+    done = run_cli("bench", "--dir", disk, "--size", text)
+    assert_usage_error(done, f"{text!r} is ambiguous", "powers of 1024",
+                       f"{text[:-1]} or {text[:-1]}iB")
+
+
+def test_tune_checks_every_output_before_sweeping(disk: Path, tmp_path: Path) -> None:
+    base = ["tune", "--dir", str(disk), "--io-size", "8M", "--no-progress"]
+    assert_usage_error(run_cli(*base, "--output", tmp_path), "is a directory; give a file name")
+    assert_usage_error(run_cli(*base, "--log-dir", tmp_path / "a" / "b"),
+                       "its directory does not exist")
+    (tmp_path / "f").write_text("x")
+    assert_usage_error(run_cli(*base, "--log-dir", tmp_path / "f"), "is not a directory")
+    assert_usage_error(run_cli(*base, "--io-size", "4000T"), "free; tune needs",
+                       "smaller --io-size")
+    assert listing(disk) == [] and not (tmp_path / "a").exists()
+
+
+def test_plot_extension_is_checked_up_front(monkeypatch: pytest.MonkeyPatch,
+                                            tmp_path: Path) -> None:
+    import types
+    from aioswap import cli
+    fake = types.ModuleType("matplotlib.backend_bases")
+
+    class Canvas:
+        @staticmethod
+        def get_supported_filetypes() -> dict[str, str]:
+            return {"png": "PNG", "pdf": "PDF", "svg": "SVG"}
+    fake.FigureCanvasBase = Canvas  # type: ignore[attr-defined]
+    pkg = types.ModuleType("matplotlib")
+    pkg.backend_bases = fake  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "matplotlib", pkg)
+    monkeypatch.setitem(sys.modules, "matplotlib.backend_bases", fake)
+    with pytest.raises(cli.UsageError, match=r"cannot draw a \.txt file; use one of \.pdf"):
+        cli._check_plot_format(str(tmp_path / "x.txt"))
+    cli._check_plot_format(str(tmp_path / "x.PNG"))
+
+
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit")
+def test_tune_on_a_full_disk_is_status_2(disk: Path, tmp_path: Path) -> None:
+    done = run_cli("tune", "--dir", disk, "--io-size", "8M", "--no-progress", "--log-dir",
+                   tmp_path / "logs", prefix=["prlimit", "--fsize=1048576"])
+    assert_usage_error(done, f"{disk.resolve()}: File too large", "smaller --io-size",
+                       "logs in")
+    assert "'" not in done.stderr and '"' not in done.stderr
     assert listing(disk) == []

@@ -293,7 +293,20 @@ def test_log_level_variable_sets_the_aioswap_logger() -> None:
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           check=True)
     assert done.stdout.strip() == "10"
+    # a bad value does not break the import (nor print a warning with a source line there);
+    # a handle and the tools raise ConfigError naming it
     env["AIOSWAP_LOG_LEVEL"] = "loud"
+    code += "; aioswap.AioHandle()"
     done = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env,
-                          capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "0" and "AIOSWAP_LOG_LEVEL='loud' ignored" in done.stderr
+                          capture_output=True, text=True, check=False)
+    assert done.stdout.strip() == "0" and done.returncode == 1
+    assert done.stderr.splitlines()[-1].startswith("aioswap.errors.ConfigError: "
+                                                   "AIOSWAP_LOG_LEVEL='loud'"), done.stderr
+    assert "Warning" not in done.stderr
+
+
+def test_deepspeed_variable_is_checked() -> None:
+    from aioswap.config import runtime_settings
+    with pytest.raises(ConfigError, match="AIOSWAP_DEEPSPEED='maybe'"):
+        runtime_settings({"AIOSWAP_DEEPSPEED": "maybe"})
+    runtime_settings({"AIOSWAP_DEEPSPEED": "1"})

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from aioswap._units import format_size
+from aioswap._units import format_size, short_size
 from aioswap.errors import TuneError
 from aioswap.tune.points import Direction, Measured, SweepPoint, check_direction, wanted
 from aioswap.tune.results import PathArg, Result
@@ -185,11 +185,16 @@ def check_environment(io_size: int, *, use_gds: bool = False) -> None:
             raise TuneError(f"--gds needs cuFile: {exc}") from None
         return
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if soft != resource.RLIM_INFINITY and soft < io_size + (1 << 20) and not cap_ipc_lock():
-        raise TuneError(f"tune needs {format_size(io_size)} of page-locked memory (its buffers "
-                        f"must be pinned for O_DIRECT), but RLIMIT_MEMLOCK is "
-                        f"{format_size(soft)} without CAP_IPC_LOCK: raise it (ulimit -l "
-                        f"unlimited; docker --ulimit memlock=-1) or run as root")
+    need = io_size + (1 << 20)      # the buffers, and room for the handle's own locked ring
+    if soft != resource.RLIM_INFINITY and soft < need and not cap_ipc_lock():
+        fits = soft - (1 << 20)
+        smaller = f", or use --io-size {short_size(fits)} or less" if fits >= 4096 else ""
+        raise TuneError(f"tune needs {format_size(need)} of page-locked memory "
+                        f"({format_size(io_size)} of buffers, pinned for O_DIRECT, plus 1 MiB), "
+                        f"{format_size(need - soft)} more than RLIMIT_MEMLOCK allows "
+                        f"({format_size(soft)}, no CAP_IPC_LOCK); nothing falls back to "
+                        f"unlocked memory in a sweep: raise it (ulimit -l unlimited; docker "
+                        f"--ulimit memlock=-1), run as root{smaller}")
 
 
 def _transfer(handle: Any, op: Measured, bufs: Sequence[Any], paths: Sequence[str],
