@@ -224,11 +224,12 @@ class Bucket(Mapping[str, "torch.Tensor"]):
     the bucket itself raises :class:`~aioswap.errors.SwapError` when used.
     """
 
-    __slots__ = ("_tensors", "index", "nbytes", "tag")
+    __slots__ = ("_tensors", "index", "nbytes", "step", "tag")
 
     def __init__(self, index: int, tag: str, tensors: dict[str, torch.Tensor],
-                 nbytes: int) -> None:
+                 nbytes: int, step: int = 0) -> None:
         self.index = index          #: position of the bucket in the stream's tags
+        self.step = step            #: the pass over the tags it belongs to (0-based)
         self.tag = tag              #: the bucket's tag
         self.nbytes = nbytes        #: bytes of its tensors
         self._tensors: dict[str, torch.Tensor] | None = tensors
@@ -258,7 +259,8 @@ class Bucket(Mapping[str, "torch.Tensor"]):
 
     def __repr__(self) -> str:
         state = "" if self._tensors is not None else " handed back"
-        return f"<Bucket {self.index} {self.tag!r} {self.nbytes} bytes{state}>"
+        return (f"<Bucket {self.index} {self.tag!r} step {self.step} {self.nbytes} "
+                f"bytes{state}>")
 
 
 @dataclass(frozen=True)
@@ -278,15 +280,18 @@ class _Layout:
 class _Op:
     """A read or write-back of one bucket in one slot."""
 
-    index: int
+    index: int                      # the bucket
     slot: int
     bucket: Bucket
     fut: concurrent.futures.Future[Any]
 
 
 def _read(swapper: TensorSwapper, prefix: str, views: dict[str, torch.Tensor],
-          verify: bool | None) -> None:
-    """Read a bucket into its views (on the stream's reader thread)."""
+          verify: bool | None, after: concurrent.futures.Future[Any] | None) -> None:
+    """Read a bucket into its views (on the stream's reader thread), once ``after`` (the
+    bucket's write-back of the previous step) is durable."""
+    if after is not None:
+        after.result()
     want = list(views)
     got = swapper.swap_in_state_dict(prefix, state_dict=views, verify=verify)
     assert isinstance(got, dict)
@@ -315,7 +320,7 @@ class Stream:
     """
 
     def __init__(self, swapper: TensorSwapper, tags: Sequence[str], *,
-                 write_back: bool = True, prefetch: int = 1,
+                 write_back: bool = True, prefetch: int = 1, steps: int = 1,
                  verify: bool | None = None) -> None:
         import torch
         self._closed = True            # until everything below exists (for __del__)
@@ -323,12 +328,15 @@ class Stream:
             raise TypeError("tags is a sequence of tags, not one str")
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
             raise ValueError(f"prefetch must be an int >= 1, got {prefetch!r}")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
         if swapper.closed:
             raise SwapError("stream over a closed TensorSwapper")
         self._swapper = swapper
         self._write_back = bool(write_back)
         self._verify = verify
         self._prefetch = prefetch
+        self._steps = steps
         owner: dict[str, str] = {}
         layouts: list[_Layout] = []
         for tag in tags:
@@ -355,7 +363,7 @@ class Stream:
         self._layouts = layouts
         span = max((lay.span for lay in layouts), default=0)
         want = prefetch + 1 + (1 if self._write_back else 0)
-        self.slots = min(want, len(layouts))
+        self.slots = min(want, len(layouts) * steps)
         self.memory_bytes = self.slots * span
         self.written: list[int] = []
         self._arenas: list[torch.Tensor] = [
@@ -364,8 +372,9 @@ class Stream:
         self._reads: collections.deque[_Op] = collections.deque()
         self._writes: collections.deque[_Op] = collections.deque()
         self._current: _Op | None = None
-        self._next_read = 0             # next bucket to start reading
-        self._handed = 0                # buckets handed out so far
+        self._next_read = 0             # next position (step x buckets + bucket) to read
+        self._handed = 0                # positions handed out so far
+        self._last_write: dict[int, concurrent.futures.Future[Any]] = {}   # per bucket
         self._lock = threading.Lock()   # next() against close() from another thread
         self._reader = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="aioswap-stream-read")
@@ -388,7 +397,8 @@ class Stream:
         return sum(1 for op in (*self._reads, *self._writes) if not op.fut.done())
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"at {self._handed}/{len(self._layouts)}"
+        total = len(self._layouts) * self._steps
+        state = "closed" if self._closed else f"at {self._handed}/{total}"
         return (f"<Stream {len(self._layouts)} buckets, {self.slots} slots, "
                 f"{self.memory_bytes} bytes, {state}>")
 
@@ -422,7 +432,10 @@ class Stream:
                 self._free.append(cur.slot)
         self._reap_writes(block=False)
         n = len(self._layouts)
-        while self._next_read < min(n, self._handed + 1 + self._prefetch):
+        # read ahead within the window, and a bucket of the next step only once the loop has
+        # handed it back in this one (its write-back is queued; the read waits for it)
+        while self._next_read < min(n * self._steps, self._handed + 1 + self._prefetch) \
+                and self._next_read - n < self._handed:
             if not self._free:          # the oldest write-back gives its arena
                 self._reap_writes(block=True)
             self._start_read(self._next_read)
@@ -444,25 +457,29 @@ class Stream:
         self._handed += 1
         return op.bucket
 
-    def _views(self, index: int, slot: int) -> Bucket:
+    def _views(self, index: int, slot: int, step: int = 0) -> Bucket:
         lay = self._layouts[index]
         arena = self._arenas[slot]
         views = {k: arena[off:off + nb].view(dt).view(shape)
                  for k, dt, shape, off, nb in zip(lay.keys, lay.dtypes, lay.shapes,
                                                   lay.offsets, lay.nbytes)}
-        return Bucket(index, lay.tag, views, sum(lay.nbytes))
+        return Bucket(index, lay.tag, views, sum(lay.nbytes), step)
 
-    def _start_read(self, index: int) -> None:
+    def _start_read(self, pos: int) -> None:
+        n = len(self._layouts)
+        index = pos % n
         slot = self._free.popleft()
-        bucket = self._views(index, slot)
+        bucket = self._views(index, slot, pos // n)
+        after = self._last_write.get(index)
         fut = self._reader.submit(_read, self._swapper, _prefix(bucket.tag),
-                                  bucket.tensors, self._verify)
+                                  bucket.tensors, self._verify, after)
         self._reads.append(_Op(index, slot, bucket, fut))
 
     def _start_write(self, op: _Op) -> None:
         lay = self._layouts[op.index]
         views = self._views(op.index, op.slot).tensors       # the caller's dict may differ
         fut = self._writer.submit(_write, self._swapper, _prefix(lay.tag), views)
+        self._last_write[op.index] = fut
         self._writes.append(_Op(op.index, op.slot, op.bucket, fut))
 
     def _reap_writes(self, *, block: bool) -> None:
@@ -521,6 +538,7 @@ class Stream:
         self._reads.clear()
         self._writes.clear()
         self._free.clear()
+        self._last_write.clear()
         self._arenas = []
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
@@ -572,7 +590,7 @@ class Stream:
 
 
 def stream(swapper: TensorSwapper, tags: Sequence[str], *, write_back: bool = True,
-           prefetch: int = 1, verify: bool | None = None) -> Stream:
+           prefetch: int = 1, steps: int = 1, verify: bool | None = None) -> Stream:
     """Stream buckets of stored state through bounded, reused page-locked memory.
 
     Parameters
@@ -587,6 +605,12 @@ def stream(swapper: TensorSwapper, tags: Sequence[str], *, write_back: bool = Tr
         False for read-only passes.
     prefetch : int
         Buckets read ahead of the one in hand (>= 1).
+    steps : int
+        Passes over ``tags`` (training steps): the stream hands out ``steps x len(tags)``
+        buckets (:attr:`Bucket.step` says which pass), reading ahead across the step
+        boundary, so the first buckets of a step are read while the last ones of the step
+        before are updated. A bucket is read again only after its previous write-back is
+        durable.
     verify : bool, optional
         Check checksums on reads (default: the swapper's setting).
 
@@ -613,4 +637,5 @@ def stream(swapper: TensorSwapper, tags: Sequence[str], *, write_back: bool = Tr
     reads and write-backs run on two threads of its own (one each, in bucket order), whose
     I/O goes through the swapper's handle. Bucket tensors are valid until the loop moves on.
     """
-    return Stream(swapper, tags, write_back=write_back, prefetch=prefetch, verify=verify)
+    return Stream(swapper, tags, write_back=write_back, prefetch=prefetch, steps=steps,
+                  verify=verify)

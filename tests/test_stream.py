@@ -150,6 +150,25 @@ def test_three_streamed_steps_are_bit_exact(stored: Any, prefetch: int) -> None:
     assert stream_threads() == []
 
 
+@pytest.mark.parametrize("nbuckets,prefetch", [(4, 1), (4, 2), (2, 3), (1, 1)])
+def test_steps_in_one_stream_are_bit_exact(stored: Any, nbuckets: int, prefetch: int) -> None:
+    """Reading ahead across steps never reads a bucket before its write-back is durable."""
+    sw, state = stored
+    ref = clone(state[:nbuckets])
+    order = []
+    with aioswap.stream(sw, tags_of(nbuckets), prefetch=prefetch, steps=3) as s:
+        for bucket in s:
+            order.append((bucket.step, bucket.index))
+            step_bucket(bucket)
+    assert order == [(k, i) for k in range(3) for i in range(nbuckets)]
+    assert s.written == [i for _ in range(3) for i in range(nbuckets)]
+    assert s.slots <= prefetch + 2
+    for _ in range(3):
+        for b in ref:
+            step_bucket(b)
+    assert_state(sw, ref)
+
+
 def test_state_persists_across_swappers(tmp_dir: Path) -> None:
     state = make_state(1)
     tags = tags_of(len(state))
