@@ -22,6 +22,7 @@ Needs transformers and accelerate; uses aioswap's public API only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -156,6 +157,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--repeat must be at least 1, got {args.repeat}")
     if not os.path.isdir(args.dir):
         p.error(f"--dir {args.dir!r} is not a directory")
+    # what libraries print to stdout (DeepSpeed's accelerator probe, which transformers
+    # reaches where DeepSpeed is installed, logs there) goes to stderr; the figures to stdout
+    out = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        report = measure(p, args)
+    if args.json:
+        print(json.dumps(report, allow_nan=True), file=out)
+    else:
+        print_report(report, args, out)
+    return 0
+
+
+def measure(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
     try:
         import transformers
         from transformers.utils import logging as hf_logging
@@ -189,15 +203,23 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {"transformers": transformers.__version__,
                      "accelerate": _version("accelerate"), "torch": torch.__version__},
         "rounds": args.repeat, "page_cache_drop": how,
+        "shard_files": sum(f.endswith(".safetensors") for f in files),
         "figures": {m: {k: s.to_json_dict() for k, s in f.items()} for m, f in figures.items()},
         "ratios_stock_over_aioswap_time": ratios,
         "cold_forward_model_gbs": cold_gbs,
         "loader_construction_s": {"keys": args.keys, **build,
                                   "ratio": ratio(build["stock"], build["aioswap"])},
     }
-    if args.json:
-        print(json.dumps(report, allow_nan=True))
-        return 0
+    return report
+
+
+def print_report(report: dict[str, Any], args: argparse.Namespace, out: Any) -> None:
+    figures = {m: {k: summarize(v["all"]) for k, v in f.items()}
+               for m, f in report["figures"].items()}
+    ratios = report["ratios_stock_over_aioswap_time"]
+    build = report["loader_construction_s"]
+    nbytes = report["model"]["bytes"]
+    how = report["page_cache_drop"]
     rows = []
     for k, label in (("cold_forward_s", "cold 1-token forward s"),
                      ("cold_generate_s", f"cold {args.new_tokens}-token generate s"),
@@ -212,12 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     print_table(["figure", "stock", "aioswap", "stock/aioswap"], rows,
                 title=[f"random Llama {args.layers} layers x hidden {args.hidden}, "
                        f"{args.dtype}, {nbytes / 1e6:.1f} MB in "
-                       f"{sum(f.endswith('.safetensors') for f in files)} shards, "
+                       f"{report['shard_files']} shards, "
                        f"all on disk; median of {args.repeat} rounds"],
                 notes=[f"page cache dropped before cold runs: {how}"
                        + ("" if how == "global" else " (drop_caches skipped: not root)"),
-                       "times in seconds; the ratio is stock time / aioswap time"])
-    return 0
+                       "times in seconds; the ratio is stock time / aioswap time"],
+                file=out)
 
 
 def _version(dist: str) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-TESTED_HERE = {"bench_formats.py", "bench_handle.py", "gpu_check.py"}
+TESTED_HERE = {"bench_formats.py", "bench_handle.py", "gpu_check.py", "bench_hf_offload.py"}
 TESTED_ELSEWHERE = {"bench_engine.py", "bench_pinned.py", "bench_swap.py", "bench_dcp.py",
                     "bench_safetensors.py", "bench_small_io.py", "bench_stream.py"}
 MINE = {"_common.py", "bench_engine.py", "bench_formats.py", "bench_pinned.py"}
@@ -125,6 +125,23 @@ def test_gpu_check(tmp_dir: Path) -> None:
         assert len(table_row(done.stdout, "CPU pinned direct (AioHandle)")) == 4
         assert len(table_row(done.stdout, "CUDA bounce (AioHandle)")) == 4
         assert "MISMATCH" not in done.stdout
+    assert list(tmp_dir.iterdir()) == []
+
+
+def test_bench_hf_offload(tmp_dir: Path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    done = run_script("bench_hf_offload.py", "--dir", str(tmp_dir), "--hidden", "64",
+                      "--layers", "1", "--vocab", "256", "--repeat", "1", "--new-tokens", "2",
+                      "--keys", "2000", "--json", cwd=tmp_dir)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    for method in ("stock", "aioswap"):
+        for figure in ("cold_forward_s", "cold_generate_s", "warm_forward_s"):
+            assert report["figures"][method][figure]["median"] > 0
+    assert set(report["ratios_stock_over_aioswap_time"]) == {
+        "cold_forward_s", "cold_generate_s", "warm_forward_s"}
+    assert report["loader_construction_s"]["keys"] == 2000
     assert list(tmp_dir.iterdir()) == []
 
 
