@@ -23,6 +23,7 @@ import platform
 import re
 import resource
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
+from aioswap import _scratch as _tmpfiles
 from aioswap._units import GB, UNITS_NOTE, format_size, parse_size, short_size
 from aioswap.config import DEFAULT_CONFIG, AioConfig, default_config, runtime_settings
 from aioswap.errors import ConfigError, DirectIOUnsupportedError, TuneError
@@ -139,10 +141,12 @@ def _check_dir(path: str, flag: str = "--dir") -> str:
 
 @contextlib.contextmanager
 def _scratch(directory: str, stem: str) -> Iterator[str]:
-    """A fresh file in ``directory``: unique name, O_EXCL (never a planted file or symlink),
-    mode 0600, removed afterwards."""
+    """A fresh file in ``directory``: unique name with our pid, O_EXCL (never a planted file or
+    symlink), mode 0600, removed afterwards (SIGTERM/SIGHUP included, see main; files of this
+    naming whose process is gone are removed first)."""
     try:
-        fd, path = tempfile.mkstemp(prefix=f".aioswap-{stem}-", suffix=".bin", dir=directory)
+        _tmpfiles.remove_stale(directory, f".aioswap-{stem}-", ".bin")   # left by a killed run
+        fd, path = _tmpfiles.create(directory, f".aioswap-{stem}-", ".bin")
     except OSError as e:
         raise UsageError(f"cannot create a file in {directory} "
                          f"({os.strerror(e.errno or errno.EIO)}): it must be a writable "
@@ -928,7 +932,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         try:
             runtime_settings()          # a bad AIOSWAP_* variable: one line, status 2
-            return int(args.func(args, out, err))
+            with _tmpfiles.terminate_on_signals():   # kill/timeout/Slurm: clean up, then exit
+                return int(args.func(args, out, err))
         except UsageError as exc:
             err.write(f"{name}: error: {exc}\n")
             return 2
@@ -952,6 +957,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     os.dup2(devnull, out.fileno())
             err.write(f"{name}: error: {_os_error_line(exc, args.command)}\n")
             return 2
+        except _tmpfiles.Terminated as exc:
+            err.write(f"{name}: terminated by {signal.Signals(exc.signum).name}; its files "
+                      f"were removed\n")
+            return 128 + exc.signum
         except KeyboardInterrupt:
             err.write(f"{name}: interrupted\n")
             return 130

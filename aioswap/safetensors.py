@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import errno
 import json
 import math
 import operator
@@ -52,6 +53,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 
+from aioswap import _scratch as _tmpfiles
 from aioswap import pinned
 from aioswap.errors import AioswapError
 from aioswap.handle import AioHandle
@@ -709,9 +711,12 @@ def save_file(tensors: Mapping[str, torch.Tensor], filename: PathLike,
     Notes
     -----
     The bytes go through a ring of four page-locked 16 MiB slots (less for a small
-    file) written at 4096-aligned offsets, so the data is written with ``O_DIRECT``; the
-    temporary file ``.<name>.<random>.tmp`` beside ``filename`` is fsynced, renamed over it
-    and the directory fsynced. The tensors must not change until this returns.
+    file) written at 4096-aligned offsets, so the data is written with ``O_DIRECT``, into a
+    new file beside ``filename`` that is fsynced, renamed over it and the directory fsynced.
+    That file is an unnamed ``O_TMPFILE`` where the file system allows (linked as
+    ``.<name>.<pid>-<random>.tmp`` just before the rename), so a crash mid-save leaves
+    nothing; elsewhere it has that name from the start, and a later save beside it removes
+    it once its process is gone. The tensors must not change until this returns.
     """
     path = os.fspath(filename)
     head, spans = _layout(tensors, metadata)
@@ -721,15 +726,18 @@ def save_file(tensors: Mapping[str, torch.Tensor], filename: PathLike,
         if end > begin:
             pieces.append(_Piece(len(head) + begin, end - begin, tensors[name]))
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
-    # O_RDWR: an engine may read back a partial last block around an O_DIRECT write
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    stem = f".{os.path.basename(path)}."
+    _tmpfiles.remove_stale(directory, stem, ".tmp")       # left by a killed save
+    tmp = os.path.join(directory, f"{stem}{os.getpid()}-{secrets.token_hex(6)}.tmp")
+    fd, named = _open_tmp(directory, tmp, mode)
     h: AioHandle | None = None
     done = False
     try:
         h = AioHandle() if handle is None else handle
         _write_pieces(h, fd, pieces, total)
         os.fsync(fd)
+        if not named:   # an O_TMPFILE file gets a name only now, for the rename
+            os.link(f"/proc/self/fd/{fd}", tmp, follow_symlinks=True)
         os.close(fd)
         fd = -1
         os.replace(tmp, path)
@@ -745,6 +753,44 @@ def save_file(tensors: Mapping[str, torch.Tensor], filename: PathLike,
                 pass
         if handle is None and h is not None:
             h.close()
+
+
+def _open_tmp(directory: str, tmp: str, mode: int) -> tuple[int, bool]:
+    """The file a save writes: (fd, whether it has a name yet).
+
+    ``O_TMPFILE`` where the file system has it (ext4, xfs, btrfs, tmpfs): a crash while
+    writing leaves nothing behind, as the file has no name until it is complete. Elsewhere
+    the named ``tmp`` (``O_EXCL``); its name carries our pid, so a later save removes it if
+    this process dies. O_RDWR: an engine may read back a partial last block around an
+    O_DIRECT write.
+    """
+    flags = os.O_RDWR | os.O_CLOEXEC
+    tmpfile = getattr(os, "O_TMPFILE", 0)
+    dev = os.stat(directory).st_dev
+    if tmpfile and _TMPFILE_WORKS.get(dev, True):
+        try:
+            fd = os.open(directory, flags | tmpfile, mode)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+                raise
+            _TMPFILE_WORKS[dev] = False
+        else:
+            if dev not in _TMPFILE_WORKS:       # linking it later must work too: try once
+                probe = f"{tmp}.probe"
+                try:
+                    os.link(f"/proc/self/fd/{fd}", probe, follow_symlinks=True)
+                    os.unlink(probe)
+                    _TMPFILE_WORKS[dev] = True
+                except OSError:     # EXDEV (some kernels, sandboxes), no /proc
+                    _TMPFILE_WORKS[dev] = False
+                    os.close(fd)
+            if _TMPFILE_WORKS[dev]:
+                return fd, False
+    return os.open(tmp, flags | os.O_CREAT | os.O_EXCL, mode), True
+
+
+#: st_dev -> whether O_TMPFILE plus linkat through /proc works on that file system
+_TMPFILE_WORKS: dict[int, bool] = {}
 
 
 def _write_pieces(h: AioHandle, fd: int, pieces: list[_Piece], total: int) -> None:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from aioswap import _scratch
 from aioswap._units import format_size, short_size
 from aioswap.errors import TuneError
 from aioswap.tune.points import Direction, Measured, SweepPoint, check_direction, wanted
@@ -82,11 +82,13 @@ def memory_available() -> tuple[int | None, str]:
 
 @contextlib.contextmanager
 def scratch_files(dirs: Sequence[str], stem: str) -> Iterator[list[str]]:
-    """One fresh file per directory (unique name, ``O_EXCL``, 0600), removed afterwards."""
+    """One fresh file per directory (unique name with our pid, ``O_EXCL``, 0600), removed
+    afterwards; files of this naming whose process is gone are removed first."""
     paths: list[str] = []
     try:
         for d in dirs:
-            fd, path = tempfile.mkstemp(prefix=f".aioswap-{stem}-", suffix=".bin", dir=d)
+            _scratch.remove_stale(d, f".aioswap-{stem}-", ".bin")   # left by a killed run
+            fd, path = _scratch.create(d, f".aioswap-{stem}-", ".bin")
             os.close(fd)
             paths.append(path)
         yield paths
