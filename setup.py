@@ -31,12 +31,19 @@ class BuildPyWithPth(build_py):
         return outputs
 
 
+# Released builds carry no debug info (it was most of the .so: 3 MB): -g0 overrides Python's
+# own -g, and the linker strips symbols. AIOSWAP_DEBUG_BUILD=1 keeps both for gdb.
+_DEBUG = os.environ.get("AIOSWAP_DEBUG_BUILD") == "1"
+_CFLAGS = ["-O2"] + ([] if _DEBUG else ["-g0"])
+_LDFLAGS = [] if _DEBUG else ["-s"]
+
 extensions = [
     # Raw syscalls: no libaio, no libaio-dev.
-    Extension("aioswap._aio", ["aioswap/_aio.pyx"], extra_compile_args=["-O2"]),
+    Extension("aioswap._aio", ["aioswap/_aio.pyx"], extra_compile_args=_CFLAGS,
+              extra_link_args=_LDFLAGS),
     # cuFile is dlopen'ed at run time: no CUDA headers or libraries at build time.
     Extension("aioswap._cufile", ["aioswap/_cufile.pyx"], libraries=["dl"],
-              extra_compile_args=["-O2"]),
+              extra_compile_args=_CFLAGS, extra_link_args=_LDFLAGS),
 ]
 
 setup(ext_modules=cythonize(extensions, compiler_directives={"language_level": "3"}),

@@ -17,7 +17,7 @@ Methods, in one run, alternating (the starting method rotates each round):
 * safetensors (when importable): ``save_file`` + fsync / ``load_file``;
 * torch: ``torch.save`` + fsync / ``torch.load(weights_only=True)``;
 * direct: the same bytes as one page-locked buffer, ``AioHandle.pwrite(fsync=True)`` / ``pread``
-  (the ceiling of this disk and handle).
+  (a reference: one transfer of the same bytes, which a packed swap can beat).
 
 Before every load, the files are fsynced and dropped from the page cache
 (``posix_fadvise(DONTNEED)``; ``--drop-caches sysctl`` also writes ``/proc/sys/vm/drop_caches``,
@@ -236,7 +236,7 @@ LABELS = {"aioswap": "aioswap swap_out/in_state_dict",
           "aioswap_noverify": "aioswap, load with verify=False",
           "safetensors": "safetensors save_file/load_file",
           "torch": "torch.save/torch.load(weights_only)",
-          "direct": "direct: 1 transfer, locked (ceiling)"}
+          "direct": "direct: 1 transfer, locked (reference)"}
 
 
 def main(argv: list[str] | None = None) -> int:
