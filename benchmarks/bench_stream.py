@@ -136,6 +136,8 @@ class PeakRSS:
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
+        time.sleep(0.01)
+        self.base = self.peak = rss()       # the sampler's own stack is not the stream's
         return self
 
     def _run(self) -> None:

@@ -1,7 +1,8 @@
 """aioswap.stream: bucket pipelines over a TensorSwapper, and offload/onload of whole states.
 
 Faults are real (a corrupted or truncated pack, RLIMIT_FSIZE, SIGINT, SIGKILL), never mocked;
-anything that may crash or hang runs in a subprocess with a timeout.
+anything that may crash or hang runs in a subprocess with a timeout. The SIGKILL test and the
+benchmark smoke run are marked ``slow`` (``pytest -m slow``).
 """
 from __future__ import annotations
 
@@ -506,6 +507,7 @@ def _packs_unpublished(d: Path) -> list[str]:
     return sorted(files - published)
 
 
+@pytest.mark.slow
 def test_sigkill_during_write_back(tmp_dir: Path) -> None:
     d = tmp_dir / "swap"
     rng = random.Random(27)
@@ -634,6 +636,7 @@ def test_example_stream_adam(tmp_dir: Path) -> None:
     assert "step 2:" in r.stdout and "step=2" in r.stdout
 
 
+@pytest.mark.slow
 def test_bench_stream_smoke(tmp_dir: Path) -> None:
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_stream.py"),
                         "--dir", str(tmp_dir), "--json"],
