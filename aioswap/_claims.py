@@ -20,10 +20,77 @@ from aioswap.errors import SwapError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["NameClaims", "Released", "Releases", "storage_key"]
+__all__ = ["NameClaims", "Released", "Releases", "guard", "storage_key", "unguard"]
 
 _log = logging.getLogger("aioswap")
 _T = TypeVar("_T")
+
+
+# What a released tensor still answers: its metadata (none of it reads the freed memory).
+# Everything else (math, indexing, data_ptr, numpy, copies, repr through torch) raises.
+_SAFE = frozenset({
+    "shape", "dtype", "device", "layout", "size", "dim", "ndim", "numel", "nelement",
+    "element_size", "itemsize", "nbytes", "stride", "storage_offset", "is_contiguous",
+    "untyped_storage", "requires_grad", "grad", "is_leaf", "is_cuda", "is_cpu", "is_meta",
+    "is_sparse", "is_quantized", "is_complex", "is_floating_point", "is_conj", "is_neg",
+    "_is_view", "names", "__hash__", "grad_fn", "_base", "name", "__get__",
+})
+_ATTR = "_aioswap_released"         # on a released tensor: the name it was swapped out as
+_guards: dict[type, type] = {}      # tensor class -> its released twin
+
+
+def _released_name(args: Any) -> str:
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            name = _released_name(a)
+            if name:
+                return name
+        else:
+            name = getattr(a, _ATTR, None)
+            if isinstance(name, str):
+                return name
+    return ""
+
+
+def _refuse(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    import torch
+
+    what = getattr(func, "__name__", "")
+    if what == "__get__":               # a property: its name is on the descriptor
+        what = getattr(getattr(func, "__self__", None), "__name__", what)
+    if what in _SAFE:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+    name = _released_name(list(args) + list((kwargs or {}).values()))
+    raise SwapError(f"{what}() on the tensor swapped out as {name!r} with release=True: its "
+                    f"memory was freed; swap_in({name!r}) restores it in place")
+
+
+def _released_repr(self: Any) -> str:
+    return (f"<released tensor {getattr(self, _ATTR, '?')!r}: shape {tuple(self.shape)}, "
+            f"{self.dtype}; swap it in to use it>")
+
+
+def guard(tensor: torch.Tensor, name: str) -> None:
+    """Make a tensor whose storage was freed refuse every use that would read it."""
+    cls = type(tensor)
+    if getattr(tensor, _ATTR, None) is not None:
+        setattr(tensor, _ATTR, name)
+        return
+    twin = _guards.get(cls)
+    if twin is None:
+        twin = _guards[cls] = type(f"Released{cls.__name__}", (cls,), {
+            "__torch_function__": classmethod(_refuse), "__repr__": _released_repr,
+            "__str__": _released_repr, "__module__": __name__})
+    setattr(tensor, _ATTR, name)
+    tensor.__class__ = twin
+
+
+def unguard(tensor: torch.Tensor) -> None:
+    """Undo :func:`guard` (before the tensor's storage is given memory again)."""
+    if getattr(tensor, _ATTR, None) is not None:
+        tensor.__class__ = type(tensor).__mro__[1]
+        delattr(tensor, _ATTR)
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -115,6 +182,7 @@ class Releases:
         self._by_name[name] = Released(tensor, st.nbytes())
         self._by_storage[key] = name
         st.resize_(0)
+        guard(tensor, name)
 
     def forget(self, name: str) -> None:
         """Drop the released tensor of ``name`` (restored, overwritten or removed)."""

@@ -132,9 +132,6 @@ class AioFile:
         self.off_align = self._inode.off_align if direct else 1
         self.block_device = stat.S_ISBLK(st.st_mode)
         self._size0: int | None = file_size(fd, st)
-        # the largest size seen (at open, by fstat, or written through the handle's short
-        # path): reads below it skip the fstat; past it, size() asks again
-        self.size_hint: int = self._size0 or 0
         self._owned = owned
         self.transient = transient
         self._closed = False
@@ -154,10 +151,7 @@ class AioFile:
         if self._size0 is not None and self.transient:
             size, self._size0 = self._size0, None    # measured at open, a moment ago
             return size
-        size = file_size(self._fd) if self.block_device else os.fstat(self._fd).st_size
-        if size > self.size_hint:
-            self.size_hint = size
-        return size
+        return file_size(self._fd) if self.block_device else os.fstat(self._fd).st_size
 
     def use(self) -> int:
         """Count a request on the file; its fd."""
@@ -258,7 +252,10 @@ def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                fd = os.open(path, base & ~(os.O_TRUNC | os.O_EXCL), perm)
+                # O_EXCL: the refused open may have created the file (the kernel checks
+                # O_DIRECT after creating it), and nobody else could have; O_TRUNC stays
+                # (the refused open never got to truncating)
+                fd = os.open(path, base & ~os.O_EXCL if flags & os.O_EXCL else base, perm)
                 direct, refused = False, True
     except IsADirectoryError:
         raise IsADirectoryError(errno.EISDIR, "is a directory", name) from None

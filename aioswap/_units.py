@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-__all__ = ["GB", "UNITS_NOTE", "format_rate", "format_size", "parse_size", "short_size"]
+__all__ = ["GB", "UNITS_NOTE", "format_rate", "format_size", "parse_size", "shape_fits",
+           "short_size"]
 
 #: One GB/s is 10**9 bytes per second (fio, KvikIO and drive data sheets count this way).
 GB = 10**9
@@ -92,3 +93,15 @@ def format_rate(nbytes: float, seconds: float) -> str:
     if seconds <= 0:
         return "-"
     return f"{nbytes / seconds / GB:.2f} GB/s"
+
+
+def shape_fits(shape: list[int] | tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` can exist: every size and the product of the non-zero
+    sizes below 2**63 (torch counts elements in int64 even when one size is 0)."""
+    n = 1
+    for v in shape:
+        if v >= 1 << 63:
+            return False
+        if v:
+            n *= v
+    return n < 1 << 63

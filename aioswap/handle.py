@@ -21,6 +21,7 @@ contiguous copy; CUDA tensors through the ring in block-sized chunks.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import logging
@@ -46,7 +47,8 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Self
 
-__all__ = ["AioFile", "AioHandle", "DeviceTransport", "HandleStats", "IOFuture"]
+__all__ = ["AioFile", "AioHandle", "DeviceTransport", "HandleStats", "IOFuture",
+           "shared_handle"]
 
 _log = logging.getLogger("aioswap")
 
@@ -102,6 +104,7 @@ class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
         self._exception: BaseException | None = None
         self._waiters: list[Any] = []
         self._done_callbacks: list[Any] = []
+        self._generation = _fork_generation[0]
         self.op = op
         self.file = file
         self.nbytes = nbytes
@@ -119,6 +122,11 @@ class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
 
     # the lane queue's hurry(): a thread blocked in result() gets the request at once
     _hurry: Any = None
+    # the handle whose wait() would raise this future's error; told once result() or
+    # exception() has handed it to the caller, so the handle keeps no delivered error
+    _ledger: Any = None
+    # the handle's wait() generation in which it finished (-1: unfinished, or forgotten)
+    _wgen = -1
 
     def result(self, timeout: float | None = None) -> Any:
         return self._hurried(super().result, timeout)
@@ -128,14 +136,23 @@ class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
         return exc
 
     def _hurried(self, get: Any, timeout: float | None) -> Any:
+        if self._state == _RUNNING and self._generation != _fork_generation[0]:
+            raise RuntimeError(f"{self!r} belongs to the process that forked this one and "
+                               f"cannot finish here; make a new AioHandle in the child")
         hurry = self._hurry
-        if hurry is None or self._state != _RUNNING:
-            return get(timeout)
-        hurry(1)
         try:
-            return get(timeout)
+            if hurry is None or self._state != _RUNNING:
+                return get(timeout)
+            hurry(1)
+            try:
+                return get(timeout)
+            finally:
+                hurry(-1)
         finally:
-            hurry(-1)
+            ledger = self._ledger
+            if ledger is not None and self._state == _FINISHED:
+                self._ledger = None
+                ledger._delivered(self)
 
     def _finish(self, result: int, error: BaseException | None) -> None:
         """Complete the future (the completion thread): set_result/set_exception, or just
@@ -199,12 +216,14 @@ class _Request:
 
 
 class _Outcome:
-    """How an async request ended, as wait() sees it (no future locks needed)."""
+    """An async request as wait() sees it: its submission number and, once it failed, its
+    error and future (the handle keeps only failed outcomes, until waited or delivered)."""
 
-    __slots__ = ("error", "seq")
+    __slots__ = ("error", "fut", "seq")
 
-    def __init__(self, seq: int) -> None:
+    def __init__(self, seq: int, fut: IOFuture) -> None:
         self.seq = seq
+        self.fut = fut
         self.error: BaseException | None = None
 
 
@@ -226,11 +245,11 @@ class _Ticket:
     It is also the request's outcome for :meth:`AioHandle.wait` (``seq`` and ``error``).
     """
 
-    __slots__ = ("error", "file", "fut", "handle", "hold", "nbytes", "offset", "seq",
-                 "write")
+    __slots__ = ("error", "file", "fut", "handle", "hold", "nbytes", "offset", "owner",
+                 "seq", "write")
 
     def __init__(self, handle: AioHandle, write: bool, file: AioFile, offset: int,
-                 nbytes: int, fut: IOFuture, hold: object | None) -> None:
+                 nbytes: int, fut: IOFuture, hold: object | None, owner: Any) -> None:
         self.handle = handle
         self.write = write
         self.file = file
@@ -238,6 +257,7 @@ class _Ticket:
         self.nbytes = nbytes
         self.fut = fut
         self.hold = hold
+        self.owner = owner          # the caller's buffer: alive until the kernel is done
         self.seq = 0
         self.error: BaseException | None = None
 
@@ -245,10 +265,10 @@ class _Ticket:
 class _ShortQueued:
     """A sync short-path request in a lane's queue (a batch call reaps it later)."""
 
-    __slots__ = ("file", "hold", "lane", "nbytes", "offset", "rid", "write")
+    __slots__ = ("file", "hold", "lane", "nbytes", "offset", "owner", "rid", "write")
 
     def __init__(self, lane: _Lane, rid: int, write: bool, file: AioFile, offset: int,
-                 nbytes: int, hold: object | None) -> None:
+                 nbytes: int, hold: object | None, owner: Any) -> None:
         self.lane = lane
         self.rid = rid
         self.write = write
@@ -256,6 +276,7 @@ class _ShortQueued:
         self.offset = offset
         self.nbytes = nbytes
         self.hold = hold
+        self.owner = owner          # the caller's buffer: alive until the request is reaped
 
 
 class DeviceTransport:
@@ -299,21 +320,10 @@ class _Lane:
             batch = serve()
             if batch is None:
                 return
-            tickets = []
-            for item in batch:
-                token = item[0]
-                if type(token) is _Ticket:
-                    tickets.append(item)
-                    continue
-                try:
-                    token.part_done(*item[1:])
-                except BaseException:       # never let one callback stop the lane
-                    _log.exception("aioswap: completing a request failed")
-            if tickets:
-                try:
-                    tickets[0][0].handle._complete(tickets)
-                except BaseException:
-                    _log.exception("aioswap: completing requests failed")
+            _deliver(batch)
+            # nothing of a finished batch stays referenced while this thread waits for the
+            # next one: a dropped handle or buffer is freed now, not after the next request
+            del batch
 
     def close(self) -> None:
         self.queue.shutdown()
@@ -321,6 +331,26 @@ class _Lane:
             self.thread.join()
         self.queue.close()
         self.ring.close()
+
+
+def _deliver(batch: list[Any]) -> None:
+    """A lane's completion thread: finish a batch of requests (their futures' callbacks
+    run here)."""
+    tickets = []
+    for item in batch:
+        token = item[0]
+        if type(token) is _Ticket:
+            tickets.append(item)
+            continue
+        try:
+            token.part_done(*item[1:])
+        except BaseException:       # never let one callback stop the lane
+            _log.exception("aioswap: completing a request failed")
+    if tickets:
+        try:
+            tickets[0][0].handle._complete(tickets)
+        except BaseException:
+            _log.exception("aioswap: completing requests failed")
 
 
 class _Async:
@@ -428,11 +458,15 @@ class AioHandle:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._stats = HandleStats()
-        # async requests not yet counted by wait(): future -> its outcome (error or None)
-        self._pending: dict[IOFuture, _Outcome] = {}
+        # async requests finished and not yet counted by wait(): how many, and the outcomes
+        # of those that failed (until wait() raises or their future delivers the error);
+        # no future is kept for a request that succeeded
+        self._unwaited = 0
+        self._errors: list[_Outcome | _Ticket] = []
         # submission numbers of unfinished async requests, oldest first (finished ones
         # are popped from the left lazily): wait() covers everything below a number
         self._seq = 0
+        self._wait_gen = 0
         self._open: collections.deque[int] = collections.deque()
         self._closed_seqs: set[int] = set()
         self._finished = threading.Condition(self._lock)
@@ -738,8 +772,12 @@ class AioHandle:
         if self._generation != _fork_generation[0]:
             self._check("wait()")               # a forked child: nothing completes here
         with self._lock:
-            if not self._pending:
+            if not self._open and not self._unwaited:
                 return 0
+            if self._open and any(lane.thread is threading.current_thread()
+                                  for lane in self._lanes):
+                raise RuntimeError("wait() from a completion callback of the same handle "
+                                   "would wait for itself; wait in another thread")
             upto = self._seq
             self._wait_targets.append(upto)
             hurried = False
@@ -755,26 +793,54 @@ class AioHandle:
                 if hurried:
                     for lane in self._lanes:
                         lane.queue.hurry(-1)
-            batch = [(f, o) for f, o in self._pending.items() if o.seq < upto]
-            for f, _ in batch:
-                del self._pending[f]
-        for _, o in batch:
-            if o.error is not None:
-                raise o.error
-        return len(batch)
+            n, errors = self._unwaited, self._errors
+            self._unwaited, self._errors = 0, []
+            self._wait_gen += 1
+        if errors:
+            first = min(errors, key=lambda o: o.seq)
+            for o in errors:
+                o.fut._ledger = None
+            assert first.error is not None
+            raise first.error
+        return n
 
     def _forget(self, futs: Iterable[IOFuture]) -> int:
-        """Drop finished futures from the pending set; how many this call dropped."""
+        """Uncount finished futures that wait() has not counted yet; how many."""
         n = 0
         with self._lock:
             for f in futs:
-                if self._pending.pop(f, None) is not None:
+                if f._wgen == self._wait_gen:
+                    f._wgen = -1
+                    self._unwaited -= 1
                     n += 1
+                    self._drop_error(f)
         return n
 
-    def _finished_locked(self, outcome: _Outcome, error: BaseException | None) -> None:
-        """An async request is over (``self._lock`` held): record it, wake wait()."""
+    def _delivered(self, fut: IOFuture) -> None:
+        """A failed future handed its error to the caller: wait() no longer raises it."""
+        with self._lock:
+            self._drop_error(fut)
+
+    def _drop_error(self, fut: IOFuture) -> None:
+        errors = self._errors
+        for i, o in enumerate(errors):
+            if o.fut is fut:
+                del errors[i]
+                fut._ledger = None
+                return
+
+    def _finished_locked(self, outcome: _Outcome | _Ticket, error: BaseException | None,
+                         counted: bool = True) -> None:
+        """An async request is over (``self._lock`` held): record it, wake wait().
+        ``counted``: False for a request that failed to be submitted (its caller got the
+        error; wait() neither counts nor raises it)."""
         outcome.error = error
+        if counted:
+            self._unwaited += 1
+            outcome.fut._wgen = self._wait_gen
+            if error is not None:
+                outcome.fut._ledger = self
+                self._errors.append(outcome)
         seq = outcome.seq
         if self._open and self._open[0] == seq:
             self._open.popleft()
@@ -798,6 +864,18 @@ class AioHandle:
             self._closed = True
             if self._generation != _fork_generation[0] or self._pid != os.getpid():
                 return              # a forked child: the parent's lanes and requests
+            if any(lane.thread is threading.current_thread() for lane in self._lanes):
+                # from a completion (a future's callback, or the handle's last reference
+                # dropped there): this thread still has requests to finish, so another one
+                # waits for them and frees the lanes
+                threading.Thread(target=self._close_lanes, daemon=True,
+                                 name="aioswap-close").start()
+                return
+        self._close_lanes()
+
+    def _close_lanes(self) -> None:
+        """Wait until no request is active, then free the lanes (threads, contexts, rings)."""
+        with self._lock:
             while self._active:
                 self._idle.wait()
         for lane in self._lanes:
@@ -876,7 +954,9 @@ class AioHandle:
         else:
             lane = lanes[0]
         end = offset + n
-        if not write and end > f.size_hint and end > f.size():
+        if not write and end > f.size():
+            # the size now, not a remembered one: an O_DIRECT read past the end of a file
+            # that another process truncated would zero-fill the destination past the data
             return _SLOW                        # raises ShortReadError before any I/O
         addr = t.data_ptr()
         hold, locked = pinned.registry.io_hold(addr, n)
@@ -888,7 +968,7 @@ class AioHandle:
         if how == 1:
             fut = IOFuture("write" if write else "read", f, n, offset)
             fut._hurry = lane.queue.hurry
-            ticket = _Ticket(self, write, f, offset, n, fut, hold)
+            ticket = _Ticket(self, write, f, offset, n, fut, hold, t)
             if lane.thread is None:
                 lane.start()
         with self._lock:
@@ -903,7 +983,6 @@ class AioHandle:
                 ticket.seq = seq = self._seq
                 self._seq = seq + 1
                 self._open.append(seq)
-                self._pending[ticket.fut] = ticket      # type: ignore[assignment]
                 self._stats.async_ops += 1
         if ticket is not None:
             try:
@@ -911,8 +990,7 @@ class AioHandle:
                                   f.state, False, False, ticket)
             except BaseException:
                 with self._lock:
-                    self._pending.pop(ticket.fut, None)
-                    self._finished_locked(ticket, None)     # type: ignore[arg-type]
+                    self._finished_locked(ticket, None, counted=False)
                 self._short_done(f, hold, write, offset, n, None)
                 raise
             return ticket.fut
@@ -923,7 +1001,7 @@ class AioHandle:
             except BaseException:
                 self._short_done(f, hold, write, offset, n, None)
                 raise
-            return _ShortQueued(lane, rid, write, f, offset, n, hold)
+            return _ShortQueued(lane, rid, write, f, offset, n, hold, t)
         res = None
         try:
             res = lane.queue.run(f._fd, write, addr, n, offset, mode, align, f.piece,
@@ -966,8 +1044,6 @@ class AioHandle:
             f._close_fd()
         if error is not None:
             raise error
-        if write and res is not None and offset + n > f.size_hint:
-            f.size_hint = offset + n
         return done
 
     def _complete(self, items: list[tuple[_Ticket, int, int, int, int, bool]]) -> None:
@@ -981,11 +1057,9 @@ class AioHandle:
                     closing.append(f)
                 if err or eof:
                     t.error = self._error(t.write, f, t.offset, t.nbytes, done, err, eoff, en)
-                elif t.write and t.offset + done > f.size_hint:
-                    f.size_hint = t.offset + done
                 self._count_outcome(t.write, done, t.error is not None)
                 self._active -= 1
-                self._finished_locked(t, t.error)       # type: ignore[arg-type]
+                self._finished_locked(t, t.error)
             if self._closed and self._active == 0:
                 self._idle.notify_all()
         unhold = pinned.registry.unhold
@@ -1368,10 +1442,9 @@ class AioHandle:
     def _start_async(self, req: _Request) -> IOFuture:
         fut = IOFuture(req.op, req.arg, req.nbytes, req.offset)
         with self._lock:
-            outcome = _Outcome(self._seq)
+            outcome = _Outcome(self._seq, fut)
             self._seq += 1
             self._open.append(outcome.seq)
-            self._pending[fut] = outcome
             self._stats.async_ops += 1
         mem = req.mem
         if req.nbytes == 0 or not mem.contiguous or mem.device == "cuda":
@@ -1426,9 +1499,8 @@ class AioHandle:
             pinned.registry.unhold(token.post)
             token.post = None
         with self._lock:
-            self._pending.pop(token.fut, None)
             if token.outcome is not None:
-                self._finished_locked(token.outcome, None)
+                self._finished_locked(token.outcome, None, counted=False)
         token.fut.set_exception(HandleClosedError("request was not submitted"))
         self._release(token.req)
 
@@ -1457,6 +1529,40 @@ class AioHandle:
             fut.set_exception(first)
         else:
             fut.set_result(token.done)
+
+
+_shared: AioHandle | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_handle() -> AioHandle:
+    """The process-wide handle that functions given no ``handle=`` use (made on first use).
+
+    Making and closing a handle costs a kernel context each time (``io_destroy`` waits for
+    an RCU grace period, tens of milliseconds); one shared handle makes a loop over many
+    small files as cheap as one call. It is thread-safe like any handle, closed at exit,
+    and made again after ``fork()`` or after someone closed it.
+    """
+    global _shared
+    h = _shared
+    if h is not None and not h._closed and h._generation == _fork_generation[0]:
+        return h
+    with _shared_lock:
+        h = _shared
+        if h is None or h._closed or h._generation != _fork_generation[0]:
+            if h is not None:
+                h._closed = True        # the parent's (after fork): nothing to free here
+            h = _shared = AioHandle()
+        return h
+
+
+def _close_shared() -> None:
+    h = _shared
+    if h is not None and h._generation == _fork_generation[0]:
+        h.close()
+
+
+atexit.register(_close_shared)
 
 
 def _plan(f: AioFile, address: int, n: int, offset: int,

@@ -55,8 +55,9 @@ import torch
 
 from aioswap import _scratch as _tmpfiles
 from aioswap import pinned
+from aioswap._units import shape_fits
 from aioswap.errors import AioswapError
-from aioswap.handle import AioHandle
+from aioswap.handle import AioHandle, shared_handle
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -253,6 +254,9 @@ def _parse_header(raw: bytes, data_bytes: int, path: str | None) -> Header:
         if end > data_bytes:
             raise fail(f"tensor {name!r}: data_offsets [{begin}, {end}] run past the end of "
                        f"the data region ({data_bytes} bytes)")
+        if not shape_fits(shape):
+            raise fail(f"tensor {name!r}: shape {shape} has more elements than any tensor "
+                       f"can hold (the product of its non-zero sizes must be < 2**63)")
         bits = math.prod(shape) * _DTYPES[dtype].bits
         if bits % 8:
             raise fail(f"tensor {name!r}: {math.prod(shape)} elements of {dtype} "
@@ -313,6 +317,12 @@ def _pread_all(fd: int, n: int, offset: int, path: str) -> bytes:
     return b"".join(parts)
 
 
+def _open_data(path: str) -> int:
+    """Open a file to read its tensors. ``O_NONBLOCK``: a FIFO in its place is refused by the
+    regular-file check instead of blocking the open (no effect on regular files)."""
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+
+
 def _read_header_fd(fd: int, path: str) -> Header:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -344,7 +354,7 @@ def read_header(filename: PathLike) -> Header:
         The file cannot be opened.
     """
     path = os.fspath(filename)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = _open_data(path)
     try:
         return _read_header_fd(fd, path)
     finally:
@@ -458,7 +468,7 @@ def load_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
         the file is read into page-locked host memory, then each tensor is copied to the
         device as soon as its group has arrived.
     handle : AioHandle, optional
-        The handle to read through; default a new :class:`~aioswap.AioHandle` for this call.
+        The handle to read through; default :func:`aioswap.handle.shared_handle`.
         Only the requests of this call are waited for.
     max_pinned_bytes : int, optional
         Page-locked memory this call may allocate for the data (default: half the physical
@@ -493,11 +503,10 @@ def load_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
                                path=path)
     limit = _phys_bytes() // 2 if max_pinned_bytes is None else operator.index(
         max_pinned_bytes)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    h: AioHandle | None = None
+    fd = _open_data(path)
     try:
         header = _read_header_fd(fd, path)
-        h = AioHandle() if handle is None else handle
+        h = shared_handle() if handle is None else handle
         types = {name: _dtype_of(info, path) for name, info in header.tensors.items()}
         groups = _groups(header, header.data_offset + header.data_bytes,
                          _FIRST_GROUP_BYTES, _GROUP_BYTES)
@@ -551,8 +560,6 @@ def load_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
         return {name: out[name] for name in header.tensors}
     finally:
         os.close(fd)
-        if handle is None and h is not None:
-            h.close()
 
 
 def load(data: bytes) -> dict[str, torch.Tensor]:
@@ -649,7 +656,7 @@ def _layout(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | N
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's elements in row-major order as a flat uint8 tensor (same device)."""
-    t = t.detach()
+    t = t.detach().resolve_conj().resolve_neg()     # the values it shows, as stored
     if not t.is_contiguous():
         t = t.contiguous()
     return t.reshape(-1).view(torch.uint8)
@@ -693,7 +700,7 @@ def save_file(tensors: Mapping[str, torch.Tensor], filename: PathLike,
     metadata : dict of str to str, optional
         Stored as ``"__metadata__"``.
     handle : AioHandle, optional
-        The handle to write through; default a new one for this call.
+        The handle to write through; default :func:`aioswap.handle.shared_handle`.
     mode : int
         Permission bits of the new file, before the umask. Default ``0o600`` (the file holds
         user data); ``safetensors`` and ``torch.save`` create ``0o644`` files.
@@ -730,10 +737,9 @@ def save_file(tensors: Mapping[str, torch.Tensor], filename: PathLike,
     _tmpfiles.remove_stale(directory, stem, ".tmp")       # left by a killed save
     tmp = os.path.join(directory, f"{stem}{os.getpid()}-{secrets.token_hex(6)}.tmp")
     fd, named = _open_tmp(directory, tmp, mode)
-    h: AioHandle | None = None
     done = False
     try:
-        h = AioHandle() if handle is None else handle
+        h = shared_handle() if handle is None else handle
         _write_pieces(h, fd, pieces, total)
         os.fsync(fd)
         if not named:   # an O_TMPFILE file gets a name only now, for the rename
@@ -751,8 +757,6 @@ def save_file(tensors: Mapping[str, torch.Tensor], filename: PathLike,
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
-        if handle is None and h is not None:
-            h.close()
 
 
 def _open_tmp(directory: str, tmp: str, mode: int) -> tuple[int, bool]:
@@ -843,9 +847,8 @@ class SafeOpen:
         self._path = os.fspath(filename)
         self._device = _device(device)
         self._fd = -1
-        self._own = handle is None
         self._handle = handle
-        fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = _open_data(self._path)
         try:
             self._header = _read_header_fd(fd, self._path)
         except BaseException:
@@ -853,7 +856,7 @@ class SafeOpen:
             raise
         self._fd = fd
         if self._handle is None:
-            self._handle = AioHandle()
+            self._handle = shared_handle()
 
     @property
     def header(self) -> Header:
@@ -903,13 +906,11 @@ class SafeOpen:
         return t if self._device.type == "cpu" else t.to(self._device)
 
     def close(self) -> None:
-        """Close the file (and the handle this object made). Idempotent."""
+        """Close the file. Idempotent."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        if self._own and self._handle is not None:
-            self._handle.close()
-            self._handle = None
+        self._handle = None
 
     def __enter__(self) -> SafeOpen:
         return self

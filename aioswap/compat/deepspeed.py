@@ -197,6 +197,9 @@ class _PatchingLoader(importlib.abc.Loader):
         return getattr(self._loader, name)
 
 
+_finding = threading.local()      # names a _BuilderFinder is looking up in this thread
+
+
 class _BuilderFinder(importlib.abc.MetaPathFinder):
     """Finds DeepSpeed's builder modules with the other finders and wraps their loaders."""
 
@@ -205,17 +208,28 @@ class _BuilderFinder(importlib.abc.MetaPathFinder):
                   ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in _TARGETS:
             return None
-        for finder in sys.meta_path:
-            if finder is self or isinstance(finder, _BuilderFinder):
-                continue
-            find = getattr(finder, "find_spec", None)
-            if find is None:
-                continue
-            spec: importlib.machinery.ModuleSpec | None = find(fullname, path, target)
-            if spec is not None:
-                break
-        else:
+        # another delegating finder may ask every finder again (us included): a per-thread
+        # guard answers None to that nested question instead of recursing forever
+        busy: set[str] | None = getattr(_finding, "names", None)
+        if busy is None:
+            busy = _finding.names = set()
+        if fullname in busy:
             return None
+        busy.add(fullname)
+        try:
+            for finder in list(sys.meta_path):
+                if finder is self or isinstance(finder, _BuilderFinder):
+                    continue
+                find = getattr(finder, "find_spec", None)
+                if find is None:
+                    continue
+                spec: importlib.machinery.ModuleSpec | None = find(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            busy.discard(fullname)
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
             spec.loader = _PatchingLoader(spec.loader)
         return spec
