@@ -134,6 +134,7 @@ class _Batch:
     nbytes: int = 0
     used: bool = False            # a tensor of it was handed out (the next one is submitted)
     left: int = 0                 # keys of it still in the loader's ready set
+    done: bool = False            # its reads finished without error
 
 
 def _dat_dtype(name: str) -> torch.dtype:
@@ -535,6 +536,8 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         return batch
 
     def _finish(self, batch: _Batch) -> None:
+        if batch.done:
+            return
         first: BaseException | None = None
         for f in batch.futures:
             exc = f.exception()                  # waits (hurried); every one, then raise
@@ -551,6 +554,7 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
             batch.buf = None
             self._res.settle()
             raise first
+        batch.done = True
         self._res.settle()
 
     @staticmethod
