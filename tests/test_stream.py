@@ -528,6 +528,7 @@ def test_sigkill_during_write_back(tmp_dir: Path) -> None:
             assert _packs_unpublished(d), "no write-back seen"
             p.send_signal(signal.SIGKILL)
             p.wait(timeout=30)
+            err = p.stderr.read() if p.stderr else ""
         finally:
             if p.poll() is None:
                 p.kill()
@@ -535,7 +536,7 @@ def test_sigkill_during_write_back(tmp_dir: Path) -> None:
             for f in (p.stdout, p.stderr):
                 if f is not None:
                     f.close()
-        assert p.returncode == -signal.SIGKILL
+        assert p.returncode == -signal.SIGKILL, err
         with TensorSwapper(d, verify=True) as sw:
             seen = []
             for tag in tags_of(3):
