@@ -41,14 +41,9 @@ _guards: dict[type, type] = {}      # tensor class -> its released twin
 
 def _released_name(args: Any) -> str:
     for a in args:
-        if isinstance(a, (list, tuple)):
-            name = _released_name(a)
-            if name:
-                return name
-        else:
-            name = getattr(a, _ATTR, None)
-            if isinstance(name, str):
-                return name
+        found = _released_name(a) if isinstance(a, (list, tuple)) else getattr(a, _ATTR, None)
+        if isinstance(found, str) and found:
+            return found
     return ""
 
 

@@ -69,6 +69,7 @@ def _learn_torch() -> None:
         _short_layout = torch.strided
         _short_types.update((torch.Tensor, torch.nn.Parameter))
 
+
 # Bumped in a child after fork(): a handle made before it refuses to work there (its lanes'
 # threads and kernel contexts stayed in the parent). Cheaper than getpid() per request.
 _fork_generation = [0]

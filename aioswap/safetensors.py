@@ -173,6 +173,11 @@ class TensorInfo:
     def nbytes(self) -> int:
         return self.end - self.begin
 
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """The torch dtype of ``dtype``; None where this torch has none (``F6_*``...)."""
+        return _torch_dtype(_DTYPES[self.dtype])
+
 
 @dataclass(frozen=True)
 class Header:
@@ -578,8 +583,8 @@ def load(data: bytes) -> dict[str, torch.Tensor]:
         dtype, shape = _dtype_of(info, None)
         lo = header.data_offset + info.begin
         buf = bytearray(mv[lo:lo + info.nbytes])
-        out[name] = _view(buf, 0, info, dtype, shape) if buf else torch.empty(shape,
-                                                                               dtype=dtype)
+        out[name] = (_view(buf, 0, info, dtype, shape) if buf
+                     else torch.empty(shape, dtype=dtype))
     return out
 
 

@@ -1551,6 +1551,7 @@ class TensorSwapper:
         if not 0 <= threshold <= 1:
             raise ValueError(f"threshold must be within [0, 1], got {threshold}")
         self._check_open()
+
         def victims_now() -> dict[str, int]:
             """Packs to rewrite, with their sizes; called with ``self._lock`` held."""
             spans: dict[str, int] = {}

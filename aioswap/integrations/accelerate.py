@@ -77,17 +77,6 @@ _MERGE_GAP = 64 << 10         # neighbouring tensors of a file this close share 
 _BATCH_BYTES = 16 << 20       # default: a batch grows by following groups up to this
 _LIVE_BATCHES = 3             # batches kept readable (being used, prefetched, one more)
 
-# safetensors dtype names -> torch (the ones torch has)
-_ST_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, attr) for name, attr in (
-        ("BOOL", "bool"), ("U8", "uint8"), ("I8", "int8"), ("I16", "int16"),
-        ("U16", "uint16"), ("F16", "float16"), ("BF16", "bfloat16"), ("I32", "int32"),
-        ("U32", "uint32"), ("F32", "float32"), ("C64", "complex64"), ("F64", "float64"),
-        ("I64", "int64"), ("U64", "uint64"), ("F8_E5M2", "float8_e5m2"),
-        ("F8_E4M3", "float8_e4m3fn"), ("F8_E8M0", "float8_e8m0fnu"))
-    if isinstance(getattr(torch, attr, None), torch.dtype)
-}
-
 
 class OffloadFileError(AioswapError, ValueError):
     """An offload file is not what the offload index says (truncated, replaced, swapped)."""
@@ -188,28 +177,11 @@ class _Resources:
             old.close()                  # requests in flight on it finish first
         return f
 
-    def settle(self) -> None:
-        """Drop finished requests from the handle's books once none of ours is running.
-
-        The handle keeps every asynchronous request until ``wait()``; calling it only when
-        all are done never blocks. Errors stay in their futures (raised by the batch that
-        owns them when its tensors are asked for), so the one ``wait()`` re-raises is
-        dropped here.
-        """
-        h = self.handle
-        if h is None or any(not f.done() for b in self.live for f in b.futures):
-            return
-        try:
-            h.wait()
-        except Exception:                # noqa: S110 - see the docstring
-            pass
-
     def close(self) -> None:
         for b in self.live:
             for fut in b.futures:
                 fut.exception()          # drain before release
         self.live.clear()
-        self.settle()
         for f in self.files.values():
             f.close()
         self.files.clear()
@@ -419,7 +391,7 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
                 f"{path!r} has no tensor {name!r}, which the offload index names for "
                 f"{key!r}: the file is not the checkpoint shard the index was built from "
                 f"(replaced or swapped?)", path=path)
-        dtype = _ST_DTYPES.get(t.dtype)
+        dtype = t.torch_dtype
         if dtype is None:
             raise OffloadFileError(f"{path!r}: tensor {name!r} has dtype {t.dtype}, which "
                                    f"this torch cannot hold", path=path)
@@ -552,10 +524,8 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
             except ValueError:
                 pass
             batch.buf = None
-            self._res.settle()
             raise first
         batch.done = True
-        self._res.settle()
 
     @staticmethod
     def _tensor(batch: _Batch, entry: _Entry, pos: int) -> torch.Tensor:

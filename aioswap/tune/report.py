@@ -102,7 +102,8 @@ def plot(results: Iterable[Result], path: PathArg, *, title: str | None = None,
         ``results`` is empty.
     """
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg  # type: ignore[import-not-found, unused-ignore]
+        from matplotlib.backends import backend_agg  # type: ignore[import-not-found,unused-ignore]
+        FigureCanvasAgg = backend_agg.FigureCanvasAgg
         from matplotlib.figure import Figure  # type: ignore[import-not-found, unused-ignore]
         from matplotlib.patches import Rectangle  # type: ignore[import-not-found, unused-ignore]
     except ImportError as e:

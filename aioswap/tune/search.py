@@ -190,8 +190,6 @@ def _neighbours(grid: Grid, point: SweepPoint) -> list[SweepPoint]:
     return out
 
 
-
-
 # -- running points ------------------------------------------------------------------------------
 class _FirstPointFailed(Exception):
     """The first point failed in every direction: a reason that fails every point."""
