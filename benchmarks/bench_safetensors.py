@@ -4,7 +4,7 @@
 The state dict is GPT-like: ``--layers`` blocks of hidden size ``--hidden``, each with
 q/k/v/o projections, fc1/fc2 (4 x hidden) and their biases, and two layer norms (weight and
 bias): 16 tensors, each present three times (the parameter and Adam's m and v), float32.
-``--layers 12 --hidden 1024`` is the 576-tensor, 1.73 GiB dict of the swapper issue; the
+``--layers 12 --hidden 1024`` is the 576-tensor, 1.69 GiB (1.81 GB) dict of the swapper issue; the
 default is a tiny one for the smoke test.
 
 Each round runs, in turn:

@@ -5,6 +5,7 @@ Hugging Face block is marked slow (importing transformers alone takes 20 s here)
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
 import os
 import re
@@ -82,3 +83,25 @@ def test_readme_block_runs(line: int, source: str, tmp_path: Path) -> None:
         pytest.fail(f"README.md:{line} ran longer than {TIMEOUT_S} s")
     assert r.returncode == 0, (f"README.md:{line} exited {r.returncode}\n"
                                f"--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}")
+
+
+PUBLIC_MODULES = [
+    "aioswap", "aioswap.errors", "aioswap.handle", "aioswap.pinned", "aioswap.config",
+    "aioswap.swap", "aioswap.stream", "aioswap.gds", "aioswap.safetensors", "aioswap.dcp",
+    "aioswap.compat.deepnvme", "aioswap.compat.deepspeed", "aioswap.integrations.accelerate",
+    "aioswap.cli",
+]
+
+
+@pytest.mark.parametrize("module", PUBLIC_MODULES)
+def test_public_names_are_documented(module: str) -> None:
+    """Every name in a public module's ``__all__`` appears in the README's code spans."""
+    if not README.is_file():
+        pytest.skip("no README.md beside the tests")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:       # an optional dependency of the module is missing
+        pytest.skip(f"{module}: {exc}")
+    spans = " ".join(re.findall(r"`([^`\n]+)`", README.read_text(encoding="utf-8")))
+    missing = [n for n in mod.__all__ if not re.search(r"\b%s\b" % re.escape(n), spans)]
+    assert not missing, f"{module}: not in README.md: {missing}"
