@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from aioswap.handle import AioHandle, IOFuture
 
-__all__ = ["AioFile", "FileArg", "PathLike", "describe"]
+__all__ = ["AioFile", "FileArg", "PathLike", "check_fd", "check_kind", "describe"]
 
 PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
 FileArg = Union[PathLike, int, "AioFile"]
@@ -83,7 +83,7 @@ def describe(file: Any) -> str:
     return repr(os.fsdecode(file))
 
 
-def _check_kind(st: os.stat_result, name: str) -> None:
+def check_kind(st: os.stat_result, name: str) -> None:
     if stat.S_ISDIR(st.st_mode):
         raise IsADirectoryError(errno.EISDIR, "is a directory", name)
     if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
@@ -128,6 +128,7 @@ class AioFile:
         self.readable = readable
         self.writable = writable
         self._inode = _inode(fd, st, direct)
+        self.key = (st.st_dev, st.st_ino)           # which file this is (a handle's cache)
         self.mem_align = self._inode.mem_align if direct else 1
         self.off_align = self._inode.off_align if direct else 1
         self.block_device = stat.S_ISBLK(st.st_mode)
@@ -261,7 +262,7 @@ def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
         raise IsADirectoryError(errno.EISDIR, "is a directory", name) from None
     try:
         st = os.fstat(fd)
-        _check_kind(st, name)
+        check_kind(st, name)
         fcntl.fcntl(fd, fcntl.F_SETFL, os.O_DIRECT if direct else 0)     # O_NONBLOCK off
         if refused and on_buffered is not None:
             on_buffered(name)
@@ -272,10 +273,9 @@ def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
         raise
 
 
-def open_fd(handle: AioHandle | None, fd: int, write: bool, *,
-            on_buffered: Any = None, direct: bool = True) -> AioFile:
-    """A short-lived AioFile over a caller's fd: its own descriptor, so the caller may close
-    ``fd`` while a request on it is queued."""
+def check_fd(fd: int, write: bool) -> tuple[int, os.stat_result]:
+    """Whether a caller's ``fd`` allows the request (access mode, no ``O_APPEND`` for
+    writes, a regular file or block device): its flags and ``fstat``."""
     name = f"fd {fd}"
     try:
         fl = fcntl.fcntl(fd, fcntl.F_GETFL)
@@ -290,7 +290,18 @@ def open_fd(handle: AioHandle | None, fd: int, write: bool, *,
         raise ValueError(f"{name} is open with O_APPEND: the kernel would put every write at "
                          f"the end of the file, not at its offset; open it without O_APPEND")
     st = os.fstat(fd)
-    _check_kind(st, name)
+    check_kind(st, name)
+    return fl, st
+
+
+def open_fd(handle: AioHandle | None, fd: int, write: bool, *,
+            on_buffered: Any = None, direct: bool = True, transient: bool = True,
+            checked: tuple[int, os.stat_result] | None = None) -> AioFile:
+    """An AioFile over a caller's fd with a descriptor of its own, so the caller may close
+    ``fd`` while a request on it is queued (``checked``: :func:`check_fd`'s answer)."""
+    name = f"fd {fd}"
+    fl, st = check_fd(fd, write) if checked is None else checked
+    acc = fl & os.O_ACCMODE
     has_direct = bool(fl & os.O_DIRECT)
     if direct and acc == os.O_WRONLY:
         # edge blocks of unaligned writes are read-modify-written: a write-only fd needs a
@@ -321,8 +332,13 @@ def open_fd(handle: AioHandle | None, fd: int, write: bool, *,
             if on_buffered is not None:
                 on_buffered(name)
     try:
+        if not transient:           # kept for later requests on other fds: name the file
+            try:
+                name = repr(os.readlink(f"/proc/self/fd/{own}"))
+            except OSError:
+                pass
         return AioFile(handle, own, name, direct=direct, readable=acc != os.O_WRONLY,
-                       writable=acc != os.O_RDONLY, st=st, transient=True)
+                       writable=acc != os.O_RDONLY, st=st, transient=transient)
     except BaseException:
         os.close(own)
         raise

@@ -56,6 +56,7 @@ _RUNNING = concurrent.futures._base.RUNNING
 _FINISHED = concurrent.futures._base.FINISHED
 _cond_lock = threading.Lock()       # IOFuture: making a future's Condition, or finishing it
 _SLOW = object()            # _short(): this request takes the general path
+_MAX_FILES = 64             # files a handle keeps open for path and fd arguments
 # Buffer types the short path takes (torch.Tensor and nn.Parameter, once torch is in use)
 # and torch.strided; filled by the first tensor request (aioswap never imports torch itself).
 _short_types: set[type] = set()
@@ -476,6 +477,10 @@ class AioHandle:
         self._warned_buffered = False
         self._rr = 0
         self._lanes: list[_Lane] = []
+        # the handle's own files behind path and fd arguments, by (device, inode), least
+        # recently used first (see _cached)
+        self._files: collections.OrderedDict[tuple[int, int], AioFile] = \
+            collections.OrderedDict()
         try:
             for i in range(cfg.intra_op_parallelism):
                 self._lanes.append(_Lane(cfg, bounce_bytes, i))
@@ -694,8 +699,10 @@ class AioHandle:
         try:
             for item in requests:
                 buf, file, *rest = item
-                if type(file) is AioFile and type(buf) in _short_types:
-                    sq = self._short(write, buf, file, rest[0] if rest else 0, 2)
+                off = rest[0] if rest else 0
+                if type(buf) in _short_types and type(off) is int and off >= 0:
+                    f = self._short_file(file, write)
+                    sq = _SLOW if f is None else self._short(write, buf, f, off, 2, file)
                     if sq is not _SLOW:
                         assert isinstance(sq, _ShortQueued)
                         queued.append(sq)
@@ -879,6 +886,10 @@ class AioHandle:
         with self._lock:
             while self._active:
                 self._idle.wait()
+            files = list(self._files.values())
+            self._files.clear()
+        for f in files:
+            f.close()
         for lane in self._lanes:
             lane.close()
 
@@ -914,11 +925,13 @@ class AioHandle:
 
     def _request(self, write: bool, buffer: Any, file: FileArg, offset: Any,
                  nbytes: Any, async_op: bool, fsync: bool) -> int | IOFuture:
-        if (type(file) is AioFile and nbytes is None and not fsync
-                and type(buffer) in _short_types):
-            out = self._short(write, buffer, file, offset, 1 if async_op else 0)
-            if out is not _SLOW:
-                return out                      # type: ignore[return-value]
+        if (nbytes is None and not fsync and type(buffer) in _short_types
+                and type(offset) is int and offset >= 0):
+            f = self._short_file(file, write)
+            if f is not None:
+                out = self._short(write, buffer, f, offset, 1 if async_op else 0, file)
+                if out is not _SLOW:
+                    return out                  # type: ignore[return-value]
         req = self._prepare(write, buffer, file, offset, nbytes, fsync)
         if async_op:
             return self._start_async(req)
@@ -927,8 +940,20 @@ class AioHandle:
         finally:
             self._release(req)
 
+    def _short_file(self, file: FileArg, write: bool) -> AioFile | None:
+        """The file a short-path request runs on: an AioFile as it is, the handle's own
+        file behind a path or fd; None where the general path decides (and raises)."""
+        tf = type(file)
+        if tf is AioFile:
+            return file                         # type: ignore[return-value]
+        if self._closed or self._generation != _fork_generation[0]:
+            return None
+        if tf is int or tf is str or tf is bytes or isinstance(file, os.PathLike):
+            return self._cached(file, write)    # type: ignore[arg-type]
+        return None
+
     def _short(self, write: bool, t: Any, f: AioFile, offset: Any,
-               how: int) -> int | IOFuture | _ShortQueued | object:
+               how: int, arg: FileArg) -> int | IOFuture | _ShortQueued | object:
         """The short path of the common request: a plain contiguous CPU tensor, whole, on a
         file this handle opened, in one lane's queue.
 
@@ -967,7 +992,7 @@ class AioHandle:
             lane.ring.ensure()
         ticket = None
         if how == 1:
-            fut = IOFuture("write" if write else "read", f, n, offset)
+            fut = IOFuture("write" if write else "read", arg, n, offset)
             fut._hurry = lane.queue.hurry
             ticket = _Ticket(self, write, f, offset, n, fut, hold, t)
             if lane.thread is None:
@@ -1147,12 +1172,73 @@ class AioHandle:
                                       and not isinstance(file, (str, bytes))):
             raise TypeError(f"file must be a path, an fd or an AioFile, got "
                             f"{type(file).__name__}")
+        return self._cached(file, write)
+
+    def _cached(self, file: int | PathLike, write: bool) -> AioFile:
+        """The handle's own open file behind a path or fd argument.
+
+        One ``stat`` (path) or ``fcntl`` + ``fstat`` (fd) per request says which file it is
+        now (device, inode) and whether the caller's fd allows the request; the handle keeps
+        one descriptor per file (``O_DIRECT`` where allowed, the last :data:`_MAX_FILES`
+        used), so a file replaced by rename, a truncated file or an fd number reused for
+        another file is seen, and the caller may close its fd at any time.
+        """
         if isinstance(file, int):
-            return _files.open_fd(self, file, write, on_buffered=self._buffered_warn,
-                                  direct=not self._buffered_only)
-        return _files.open_path(self, file, "a+" if write else "r", transient=True,
-                                on_buffered=self._buffered_warn,
-                                direct=not self._buffered_only)
+            checked = _files.check_fd(file, write)
+            st: os.stat_result | None = checked[1]
+        else:
+            checked = None
+            try:
+                st = os.stat(file)
+            except FileNotFoundError:
+                if not write:
+                    raise
+                st = None                       # a write creates it
+            if st is not None:
+                _files.check_kind(st, describe(file))
+        files = self._files
+        if st is not None:
+            key = (st.st_dev, st.st_ino)
+            with self._lock:
+                f = files.get(key)
+                if f is not None and not f._closed and (f.writable or not write):
+                    files.move_to_end(key)
+                    return f
+        if isinstance(file, int):
+            f = _files.open_fd(self, file, write, on_buffered=self._buffered_warn,
+                               direct=not self._buffered_only, transient=False,
+                               checked=checked)
+        else:
+            f = _files.open_path(self, file, "a+" if write else "r",
+                                 on_buffered=self._buffered_warn,
+                                 direct=not self._buffered_only)
+        # files deleted or replaced since (unlinked) are let go, so their space is freed
+        with self._lock:
+            kept = list(files.values())
+        gone = set()
+        for k in kept:
+            try:
+                if os.fstat(k._fd).st_nlink == 0:
+                    gone.add(k.key)
+            except OSError:
+                gone.add(k.key)
+        evicted: list[AioFile] = []
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                for key in gone | {f.key}:
+                    old = files.pop(key, None)
+                    if old is not None:
+                        evicted.append(old)
+                files[f.key] = f
+                while len(files) > _MAX_FILES:
+                    evicted.append(files.popitem(last=False)[1])
+        for e in evicted:
+            e.close()                           # after the requests in flight on it
+        if closed:
+            f.close()
+            raise HandleClosedError(f"I/O on {describe(file)} on a closed AioHandle")
+        return f
 
     def _release(self, req: _Request) -> None:
         """A request is over: give back its file and let close() go on."""
