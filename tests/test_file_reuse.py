@@ -1,0 +1,167 @@
+"""Path and fd arguments reuse the handle's own open files: what must still be seen.
+
+A handle keeps one descriptor per file (by device and inode) for path and fd arguments and
+checks, per request, which file the argument names now. Reference bytes come from
+``os.urandom`` and are compared with plain ``os.pread``.
+"""
+from __future__ import annotations
+
+import os
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import aioswap
+from aioswap.errors import ShortReadError
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+def _write(p: Path, data: bytes) -> Path:
+    p.write_bytes(data)
+    return p
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("locked", [False, True])
+def test_rename_over_is_seen(tmp_path: Path, locked: bool) -> None:
+    a, b = os.urandom(64 * KiB), os.urandom(64 * KiB)
+    p = _write(tmp_path / "f.bin", a)
+    with aioswap.AioHandle() as h:
+        t = (aioswap.pinned.empty(64 * KiB, torch.uint8) if locked
+             else torch.empty(64 * KiB, dtype=torch.uint8))
+        h.pread(t, p)
+        assert bytes(t.numpy()) == a
+        _write(tmp_path / "new.bin", b)
+        os.replace(tmp_path / "new.bin", p)          # as a checkpoint writer does
+        h.pread(t, p)
+        assert bytes(t.numpy()) == b
+        h.pread(t, str(p), async_op=True).result()
+        assert bytes(t.numpy()) == b
+
+
+def test_fd_number_reused_for_another_file_is_seen(tmp_path: Path) -> None:
+    a, b = os.urandom(8 * KiB), os.urandom(8 * KiB)
+    pa, pb = _write(tmp_path / "a.bin", a), _write(tmp_path / "b.bin", b)
+    with aioswap.AioHandle() as h:
+        t = torch.empty(8 * KiB, dtype=torch.uint8)
+        fd = os.open(pa, os.O_RDONLY)
+        h.pread(t, fd)
+        assert bytes(t.numpy()) == a
+        os.close(fd)
+        fd2 = os.open(pb, os.O_RDONLY)
+        assert fd2 == fd                              # the kernel hands out the lowest
+        h.pread(t, fd2)
+        assert bytes(t.numpy()) == b
+        os.close(fd2)
+
+
+def test_truncation_and_growth_are_seen(tmp_path: Path) -> None:
+    data = os.urandom(MiB)
+    p = _write(tmp_path / "t.bin", data)
+    with aioswap.AioHandle() as h:
+        t = torch.empty(MiB, dtype=torch.uint8)
+        assert h.pread(t, p) == MiB
+        os.truncate(p, 100 * KiB)
+        t.fill_(0x5A)
+        with pytest.raises(ShortReadError, match="t.bin"):
+            h.pread(t, p)
+        fd = os.open(p, os.O_RDONLY)
+        with pytest.raises(ShortReadError):
+            h.pread(t, fd)
+        os.close(fd)
+        assert bool((t == 0x5A).all())                # nothing written into it
+        more = os.urandom(MiB)
+        with open(p, "ab") as f:
+            f.write(more)
+        out = torch.empty(MiB, dtype=torch.uint8)
+        assert h.pread(out, p, 100 * KiB) == MiB
+        assert bytes(out.numpy()) == more
+
+
+def test_caller_fd_rules_still_hold(tmp_path: Path) -> None:
+    """The cached file never lends the caller's fd more than it allows."""
+    p = _write(tmp_path / "r.bin", os.urandom(8 * KiB))
+    with aioswap.AioHandle() as h:
+        h.pwrite(torch.ones(4 * KiB, dtype=torch.uint8), p)     # cached read/write
+        ro = os.open(p, os.O_RDONLY)
+        with pytest.raises(PermissionError, match="not open for writing"):
+            h.pwrite(torch.ones(4 * KiB, dtype=torch.uint8), ro)
+        os.close(ro)
+        ap = os.open(p, os.O_RDWR | os.O_APPEND)
+        with pytest.raises(ValueError, match="O_APPEND"):
+            h.pwrite(torch.ones(4 * KiB, dtype=torch.uint8), ap)
+        os.close(ap)
+        fifo = tmp_path / "pipe"
+        os.mkfifo(fifo)
+        with pytest.raises(OSError, match="FIFO|not a regular"):
+            h.pread(torch.empty(4, dtype=torch.uint8), fifo)
+
+
+def test_deleted_files_are_let_go(tmp_path: Path) -> None:
+    """A deleted file's descriptor goes at the next file the handle opens (its space is
+    freed), and the number of descriptors a handle keeps is bounded."""
+    with aioswap.AioHandle() as h:
+        t = torch.ones(4 * KiB, dtype=torch.uint8)
+        h.pwrite(t, tmp_path / "w0.bin")
+        base = _fds()
+        for i in range(1, 200):
+            h.pwrite(t, tmp_path / f"w{i}.bin")
+            os.unlink(tmp_path / f"w{i - 1}.bin")
+        assert _fds() <= base + 2
+        for i in range(200):
+            h.pwrite(t, tmp_path / f"k{i}.bin")
+        assert _fds() <= base + 70                    # at most 64 kept
+    assert _fds() < base
+
+
+def test_eight_threads_mixed_routes_byte_exact(tmp_path: Path) -> None:
+    """8 threads, each on its own region, through open files, fds and paths, sync and
+    async, locked and plain memory; then every byte compared with os.pread."""
+    size = 8 * 256 * KiB
+    p = _write(tmp_path / "m.bin", bytes(size))
+    ref = bytearray(size)
+    errors: list[BaseException] = []
+    with aioswap.AioHandle(queue_depth=16) as h, h.open(p, "r+") as f:
+        def worker(k: int) -> None:
+            rng = random.Random(k)
+            fd = os.open(p, os.O_RDWR)
+            try:
+                for i in range(60):
+                    n = rng.choice([512, 4 * KiB, 4 * KiB + 3, 64 * KiB])
+                    off = k * 256 * KiB + rng.randrange(0, 256 * KiB - n)
+                    data = os.urandom(n)
+                    src = (aioswap.pinned.empty(n, torch.uint8) if i % 3 == 0
+                           else torch.empty(n, dtype=torch.uint8))
+                    src.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+                    route = (f, fd, p, str(p))[i % 4]
+                    if i % 2:
+                        h.pwrite(src, route, off, async_op=True).result()
+                    else:
+                        h.pwrite(src, route, off)
+                    ref[off:off + n] = data
+                    back = torch.empty(n, dtype=torch.uint8)
+                    h.pread(back, (p, f, fd)[i % 3], off)
+                    assert bytes(back.numpy()) == data
+            except BaseException as e:
+                errors.append(e)
+            finally:
+                os.close(fd)
+        ts = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    assert not errors, errors[0]
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        assert os.pread(fd, size, 0) == bytes(ref)
+    finally:
+        os.close(fd)
