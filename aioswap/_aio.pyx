@@ -9,6 +9,7 @@ the GIL released. Nothing here knows about torch: buffers are the buffer protoco
 addresses whose owners the caller keeps alive.
 """
 cimport aioswap._aio_abi as abi
+cimport aioswap._kthreads as kt
 cimport aioswap._pthread as pt
 from aioswap._pthread cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from cpython.buffer cimport (PyBUF_ANY_CONTIGUOUS, PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_ND,
@@ -1102,6 +1103,7 @@ cdef struct _Q:
     bint single_submit
     bint overlap
     int broken                  # errno of a failed io_getevents: nothing more can be reaped
+    kt.kthreads* threads        # the worker-thread backend (NULL: kernel AIO, ctx)
     int waiters
     int eager                   # threads blocked in the handle's wait(): deliver at once
     double last_async           # when the last asynchronous request was queued
@@ -1553,6 +1555,40 @@ cdef inline void _again(_Slot* sl, int64_t res) noexcept nogil:
     sl.cb.aio_offset += res
 
 
+# ---- the backend seam: the queue reaches the kernel only through these three
+
+cdef inline long _k_submit(_Q* q, long n, abi.iocb** cbs) noexcept nogil:
+    """io_submit: how many pieces were taken, or -1 with errno."""
+    if q.threads != NULL:
+        return kt.kthreads_submit(q.threads, n, cbs)
+    return abi.syscall(abi.SYS_io_submit, q.ctx, n, cbs)
+
+
+cdef inline long _k_getevents(_Q* q, long min_nr, long nr, abi.io_event* events,
+                              timespec* ts) noexcept nogil:
+    """io_getevents with a relative timeout: how many events, or -1 with errno."""
+    if q.threads != NULL:
+        return kt.kthreads_getevents(q.threads, min_nr, nr, events, ts)
+    return abi.syscall(abi.SYS_io_getevents, q.ctx, min_nr, nr, events, ts)
+
+
+cdef inline void _k_destroy(_Q* q) noexcept nogil:
+    """io_destroy: returns once nothing of the queue's is in flight. Idempotent."""
+    cdef kt.kthreads* k = q.threads
+    if k != NULL:
+        q.threads = NULL
+        kt.kthreads_destroy(k)
+    if q.ctx:
+        abi.syscall(abi.SYS_io_destroy, q.ctx)
+        q.ctx = 0
+
+
+# Backends a queue can run on; "auto" is the kernel's AIO, else worker threads where the
+# kernel refuses io_setup (aio-max-nr exhausted: EAGAIN; seccomp: EPERM/ENOSYS).
+BACKENDS = ("auto", "aio", "threads")
+cdef int _THREADS_MAX = 16          # worker threads of one queue (at most its depth)
+
+
 cdef void _launch(_Q* q, int* slots, int n) noexcept nogil:
     """Without q.mu: fill fresh bounce writes, then io_submit the pieces."""
     cdef abi.iocb* ptrs[_BATCH]
@@ -1579,7 +1615,7 @@ cdef void _launch(_Q* q, int* slots, int n) noexcept nogil:
         i = 0
         while i < cnt:
             k = 1 if q.single_submit else cnt - i
-            ret = abi.syscall(abi.SYS_io_submit, q.ctx, <long>k, &ptrs[i])
+            ret = _k_submit(q, <long>k, &ptrs[i])
             if ret > 0:
                 i += <int>ret
                 continue
@@ -1649,7 +1685,7 @@ cdef int _q_reap(_Q* q, long timeout_ns) noexcept nogil:
     pt.pthread_mutex_unlock(&q.mu)
     ts.tv_sec = timeout_ns // 1000000000
     ts.tv_nsec = timeout_ns % 1000000000
-    ret = abi.syscall(abi.SYS_io_getevents, q.ctx, min_nr, <long>q.depth, q.events, &ts)
+    ret = _k_getevents(q, min_nr, <long>q.depth, q.events, &ts)
     if ret < 0:
         if errno == EINTR:
             return 0
@@ -1722,9 +1758,7 @@ cdef void _break(_Q* q, int e) noexcept nogil:
     if q.broken:
         return
     q.broken = e
-    if q.ctx:
-        abi.syscall(abi.SYS_io_destroy, q.ctx)
-        q.ctx = 0
+    _k_destroy(q)
     q.nretry = 0
     q.kin = 0
     for s in range(q.nslots):
@@ -1868,22 +1902,28 @@ cdef class AioQueue:
     cdef object _ring_owner
     cdef long _pid
     cdef object __weakref__
+    cdef readonly str why
 
     def __cinit__(self):
         memset(&self.q, 0, sizeof(_Q))
         self._ready = False
         self._ring_owner = None
 
-    def __init__(self, int depth, *, bint single_submit=False, bint overlap_events=True):
+    def __init__(self, int depth, *, bint single_submit=False, bint overlap_events=True,
+                 str backend="auto"):
         cdef long ret
         cdef int e = 0
         cdef abi.aio_context_t ctx = 0
+        cdef kt.kthreads* threads = NULL
+        cdef int nthreads
         cdef pt.pthread_condattr_t attr
         cdef int i, nslots
         if self._ready:
             raise RuntimeError("AioQueue is already initialised")
         if depth < 1 or depth > MAX_DEPTH:
             raise ValueError(f"queue depth must be in 1..{MAX_DEPTH}, got {depth}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         q = &self.q
         nslots = 2 * depth
         q.slots = <_Slot*>PyMem_RawMalloc(nslots * sizeof(_Slot))
@@ -1895,12 +1935,27 @@ cdef class AioQueue:
             self._free_arrays()
             raise MemoryError(f"cannot allocate an AIO queue of depth {depth}")
         memset(q.slots, 0, nslots * sizeof(_Slot))
-        with nogil:
-            ret = abi.syscall(abi.SYS_io_setup, <unsigned int>depth, &ctx)
-            e = errno
+        ret = -1
+        if backend != "threads":
+            with nogil:
+                ret = abi.syscall(abi.SYS_io_setup, <unsigned int>depth, &ctx)
+                e = errno
+            if ret < 0 and (backend == "aio" or e not in (EAGAIN, EPERM, ENOSYS)):
+                self._free_arrays()
+                _check(ret, e, f"io_setup({depth})", None, _aio_limits_hint(e))
+            self.why = "" if ret == 0 else (
+                f"io_setup failed: {os.strerror(e)}{_aio_limits_hint(e)}; using worker threads")
+        else:
+            self.why = "asked for"
         if ret < 0:
-            self._free_arrays()
-            _check(ret, e, f"io_setup({depth})", None, _aio_limits_hint(e))
+            nthreads = depth if depth < _THREADS_MAX else _THREADS_MAX
+            with nogil:
+                ret = kt.kthreads_setup(&threads, depth, nthreads)
+                e = errno
+            if ret < 0:
+                self._free_arrays()
+                _check(ret, e, f"starting {nthreads} I/O threads", None, "")
+        q.threads = threads
         q.ctx = ctx
         q.depth = depth
         q.nslots = nslots
@@ -1931,6 +1986,12 @@ cdef class AioQueue:
         q.rscratch = NULL
         q.events = NULL
         q.free_bufs = NULL
+
+    @property
+    def backend(self):
+        """``"aio"`` (kernel AIO) or ``"threads"`` (positional I/O on worker threads); ``why``
+        says why threads when they were not asked for."""
+        return "threads" if self.q.threads != NULL else "aio"
 
     @property
     def depth(self):
@@ -2261,15 +2322,14 @@ cdef class AioQueue:
         The caller makes sure no request is pending and the completion thread has returned.
         In a forked child the parent's context is left alone.
         """
-        cdef abi.aio_context_t ctx
         if not self._ready:
             return
         self._ready = False
-        ctx = self.q.ctx
-        self.q.ctx = 0
-        if ctx and self._pid == getpid():
+        if self._pid == getpid():
             with nogil:
-                abi.syscall(abi.SYS_io_destroy, ctx)
+                _k_destroy(&self.q)
+        self.q.ctx = 0
+        self.q.threads = NULL
         if self._pid == getpid():
             pt.pthread_mutex_destroy(&self.q.mu)
             pt.pthread_cond_destroy(&self.q.cv)
@@ -2277,9 +2337,8 @@ cdef class AioQueue:
         self._ring_owner = None
 
     def __dealloc__(self):
-        cdef abi.aio_context_t ctx = self.q.ctx
-        if self._ready and ctx and self._pid == getpid():
+        if self._ready and self._pid == getpid():
             with nogil:
-                abi.syscall(abi.SYS_io_destroy, ctx)
+                _k_destroy(&self.q)
         if self._ready:
             self._free_arrays()

@@ -119,8 +119,8 @@ class AioFile:
     """
 
     def __init__(self, handle: AioHandle | None, fd: int, name: str, *, direct: bool,
-                 readable: bool, writable: bool, st: os.stat_result, owned: bool = True,
-                 transient: bool = False) -> None:
+                 readable: bool, writable: bool, st: os.stat_result, owned: bool = True
+                 ) -> None:
         self._handle = handle
         self._fd = fd
         self.name = name
@@ -132,9 +132,7 @@ class AioFile:
         self.mem_align = self._inode.mem_align if direct else 1
         self.off_align = self._inode.off_align if direct else 1
         self.block_device = stat.S_ISBLK(st.st_mode)
-        self._size0: int | None = file_size(fd, st)
         self._owned = owned
-        self.transient = transient
         self._closed = False
         self._users = 0
         # the handle's lock: its short path counts a request on the handle and on the file
@@ -149,9 +147,6 @@ class AioFile:
 
     def size(self) -> int:
         """The file's size now (``fstat``; block devices: the device size)."""
-        if self._size0 is not None and self.transient:
-            size, self._size0 = self._size0, None    # measured at open, a moment ago
-            return size
         return file_size(self._fd) if self.block_device else os.fstat(self._fd).st_size
 
     def use(self) -> int:
@@ -231,7 +226,7 @@ class AioFile:
 
 
 def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
-              perm: int = DEFAULT_FILE_MODE, transient: bool = False,
+              perm: int = DEFAULT_FILE_MODE,
               on_buffered: Any = None, direct: bool = True) -> AioFile:
     """Open ``path`` (``mode`` as in :data:`_MODES`) with ``O_DIRECT`` when it works
     (and ``direct`` asks for it)."""
@@ -267,7 +262,7 @@ def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
         if refused and on_buffered is not None:
             on_buffered(name)
         return AioFile(handle, fd, name, direct=direct, readable=readable,
-                       writable=writable, st=st, transient=transient)
+                       writable=writable, st=st)
     except BaseException:
         os.close(fd)
         raise
@@ -295,7 +290,7 @@ def check_fd(fd: int, write: bool) -> tuple[int, os.stat_result]:
 
 
 def open_fd(handle: AioHandle | None, fd: int, write: bool, *,
-            on_buffered: Any = None, direct: bool = True, transient: bool = True,
+            on_buffered: Any = None, direct: bool = True,
             checked: tuple[int, os.stat_result] | None = None) -> AioFile:
     """An AioFile over a caller's fd with a descriptor of its own, so the caller may close
     ``fd`` while a request on it is queued (``checked``: :func:`check_fd`'s answer)."""
@@ -332,13 +327,12 @@ def open_fd(handle: AioHandle | None, fd: int, write: bool, *,
             if on_buffered is not None:
                 on_buffered(name)
     try:
-        if not transient:           # kept for later requests on other fds: name the file
-            try:
-                name = repr(os.readlink(f"/proc/self/fd/{own}"))
-            except OSError:
-                pass
+        try:                        # a handle keeps it for other fds of the file: its path
+            name = repr(os.readlink(f"/proc/self/fd/{own}"))
+        except OSError:
+            pass
         return AioFile(handle, own, name, direct=direct, readable=acc != os.O_WRONLY,
-                       writable=acc != os.O_RDONLY, st=st, transient=transient)
+                       writable=acc != os.O_RDONLY, st=st)
     except BaseException:
         os.close(own)
         raise

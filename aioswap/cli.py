@@ -249,6 +249,7 @@ def gather_info(directory: str) -> dict[str, Any]:
         "aio": {"available": ok, "reason": reason or None,
                 "aio_nr": _read_int("/proc/sys/fs/aio-nr"),
                 "aio_max_nr": _read_int("/proc/sys/fs/aio-max-nr")},
+        "backend": _backend_info(),
         "directory": {"path": directory, "fs_type": fs,
                       "free_bytes": usage.free, "total_bytes": usage.total,
                       "warning": _ram_warning(directory, fs), **_probe_direct(directory)},
@@ -260,6 +261,20 @@ def gather_info(directory: str) -> dict[str, Any]:
         "cufile": _cufile_info(),
         "gpu": _gpu_info(),
     }
+
+
+def _backend_info() -> dict[str, Any]:
+    """The engine backend a handle gets here (AIOSWAP_BACKEND, else "auto"), and why."""
+    from aioswap import _aio
+    from aioswap.config import runtime_settings
+    try:
+        q = _aio.AioQueue(1, backend=runtime_settings().backend)
+    except OSError as exc:
+        return {"name": None, "reason": str(exc)}
+    try:
+        return {"name": q.backend, "reason": q.why or None}
+    finally:
+        q.close()
 
 
 def _short_reason(reason: str | None) -> str:
@@ -276,6 +291,8 @@ def _format_info(info: dict[str, Any]) -> str:
         f"aioswap {info['aioswap']}  (Linux {info['kernel']}, Python {info['python']})",
         f"kernel AIO       : {'yes' if a['available'] else 'NO: ' + str(a['reason'])}"
         f"  (fs.aio-nr {a['aio_nr']} of {a['aio_max_nr']})",
+        f"engine backend   : {info['backend']['name'] or 'none'}"
+        + (f" ({info['backend']['reason']})" if info["backend"]["reason"] else ""),
         f"directory        : {d['path']} ({d['fs_type']}), "
         f"{format_size(d['free_bytes'])} free of {format_size(d['total_bytes'])}",
     ]

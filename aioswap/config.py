@@ -403,6 +403,12 @@ class RuntimeSettings:
     buffered: bool = False
     pool_size: int | None = None
     log_level: str | None = None
+    backend: str = "auto"
+
+
+#: The engine's kernel interfaces (``AIOSWAP_BACKEND``, ``AioHandle(backend=...)``): kernel
+#: AIO, positional I/O on worker threads, or "auto" (kernel AIO, threads where it is refused).
+_BACKENDS = ("auto", "aio", "threads")
 
 
 def runtime_settings(environ: Mapping[str, str] | None = None) -> RuntimeSettings:
@@ -446,6 +452,11 @@ def runtime_settings(environ: Mapping[str, str] | None = None) -> RuntimeSetting
             problems.append(f"AIOSWAP_LOG_LEVEL={env['AIOSWAP_LOG_LEVEL']!r}: expected one of "
                             f"{', '.join(_LEVELS)}")
             level = None
+    backend = env.get("AIOSWAP_BACKEND", "auto").strip().lower() or "auto"
+    if backend not in _BACKENDS:
+        problems.append(f"AIOSWAP_BACKEND={env['AIOSWAP_BACKEND']!r}: expected one of "
+                        f"{', '.join(_BACKENDS)}")
+        backend = "auto"
     aio = DEFAULT_CONFIG
     if not problems:
         try:
@@ -454,7 +465,8 @@ def runtime_settings(environ: Mapping[str, str] | None = None) -> RuntimeSetting
             problems.append(f"from the AIOSWAP_* environment variables: {e}")
     if problems:
         raise ConfigError("; ".join(problems))
-    return RuntimeSettings(aio=aio, buffered=buffered, pool_size=pool, log_level=level)
+    return RuntimeSettings(aio=aio, buffered=buffered, pool_size=pool, log_level=level,
+                           backend=backend)
 
 
 def default_config(environ: Mapping[str, str] | None = None) -> AioConfig:

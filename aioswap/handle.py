@@ -297,9 +297,10 @@ class DeviceTransport:
 class _Lane:
     """One kernel queue, its ring and its completion thread."""
 
-    def __init__(self, cfg: AioConfig, ring_cap: int | None, index: int) -> None:
+    def __init__(self, cfg: AioConfig, ring_cap: int | None, index: int,
+                 backend: str) -> None:
         self.queue = _aio.AioQueue(cfg.queue_depth, single_submit=cfg.single_submit,
-                                   overlap_events=cfg.overlap_events)
+                                   overlap_events=cfg.overlap_events, backend=backend)
         buf, n = _bounce.ring_shape(cfg.block_size, cfg.queue_depth, ring_cap)
         self.ring = _bounce.Ring(self.queue, buf, n)
         self.index = index
@@ -415,6 +416,8 @@ class AioHandle:
     device_transport : DeviceTransport, optional
         What moves contiguous CUDA tensors (``GdsHandle`` passes cuFile); without one they
         are staged through the bounce ring.
+    backend : {"auto", "aio", "threads"}, optional
+        The kernel interface (default ``AIOSWAP_BACKEND``, else "auto"): see :attr:`backend`.
 
     Notes
     -----
@@ -435,7 +438,8 @@ class AioHandle:
                  single_submit: bool | None = None, overlap_events: bool | None = None,
                  intra_op_parallelism: int | None = None,
                  *, bounce_bytes: int | None = None,
-                 device_transport: DeviceTransport | None = None) -> None:
+                 device_transport: DeviceTransport | None = None,
+                 backend: str | None = None) -> None:
         self._closed = True
         self._device_transport = device_transport
         env = runtime_settings()        # AIOSWAP_* variables for what is not given
@@ -448,6 +452,7 @@ class AioHandle:
             intra_op_parallelism=(d.intra_op_parallelism if intra_op_parallelism is None
                                   else intra_op_parallelism))
         self._buffered_only = env.buffered
+        backend = env.backend if backend is None else backend
         if bounce_bytes is None:
             bounce_bytes = env.pool_size
         if bounce_bytes is not None:
@@ -483,7 +488,7 @@ class AioHandle:
             collections.OrderedDict()
         try:
             for i in range(cfg.intra_op_parallelism):
-                self._lanes.append(_Lane(cfg, bounce_bytes, i))
+                self._lanes.append(_Lane(cfg, bounce_bytes, i, backend))
         except BaseException:
             for lane in self._lanes:
                 lane.close()
@@ -520,6 +525,21 @@ class AioHandle:
     @property
     def config(self) -> AioConfig:
         return self._cfg
+
+    @property
+    def backend(self) -> str:
+        """The kernel interface the lanes run on: ``"aio"`` or ``"threads"``.
+
+        ``backend="auto"`` (the default, or ``AIOSWAP_BACKEND``) is kernel AIO, and worker
+        threads doing ``pread``/``pwrite`` where the kernel refuses ``io_setup``
+        (``aio-max-nr`` exhausted, a seccomp profile); :attr:`backend_reason` says why.
+        """
+        return str(self._lanes[0].queue.backend)
+
+    @property
+    def backend_reason(self) -> str:
+        """Why :attr:`backend` is what it is ("" for kernel AIO chosen by "auto")."""
+        return str(self._lanes[0].queue.why)
 
     @property
     def bounce_pool_bytes(self) -> int:
@@ -702,7 +722,11 @@ class AioHandle:
                 off = rest[0] if rest else 0
                 if type(buf) in _short_types and type(off) is int and off >= 0:
                     f = self._short_file(file, write)
-                    sq = _SLOW if f is None else self._short(write, buf, f, off, 2, file)
+                    try:
+                        sq = _SLOW if f is None else self._short(write, buf, f, off, 2, file)
+                    finally:
+                        if f is not None and f is not file:
+                            f.unuse()
                     if sq is not _SLOW:
                         assert isinstance(sq, _ShortQueued)
                         queued.append(sq)
@@ -929,7 +953,11 @@ class AioHandle:
                 and type(offset) is int and offset >= 0):
             f = self._short_file(file, write)
             if f is not None:
-                out = self._short(write, buffer, f, offset, 1 if async_op else 0, file)
+                try:
+                    out = self._short(write, buffer, f, offset, 1 if async_op else 0, file)
+                finally:
+                    if f is not file:
+                        f.unuse()               # the request counted itself on the file
                 if out is not _SLOW:
                     return out                  # type: ignore[return-value]
         req = self._prepare(write, buffer, file, offset, nbytes, fsync)
@@ -1154,8 +1182,8 @@ class AioHandle:
                     raise HandleClosedError(f"{op} of {describe(file)} on a closed AioHandle")
                 self._active += 1
         except BaseException:
-            if f.transient:
-                f.close()
+            if f is not file:
+                f.unuse()                       # unpinned (see _cached)
             raise
         return req
 
@@ -1181,7 +1209,9 @@ class AioHandle:
         now (device, inode) and whether the caller's fd allows the request; the handle keeps
         one descriptor per file (``O_DIRECT`` where allowed, the last :data:`_MAX_FILES`
         used), so a file replaced by rename, a truncated file or an fd number reused for
-        another file is seen, and the caller may close its fd at any time.
+        another file is seen, and the caller may close its fd at any time. The file comes
+        back pinned (counted as in use, so neither an eviction nor ``close()`` closes its
+        descriptor under the request); the request's end unpins it (``unuse``).
         """
         if isinstance(file, int):
             checked = _files.check_fd(file, write)
@@ -1203,10 +1233,11 @@ class AioHandle:
                 f = files.get(key)
                 if f is not None and not f._closed and (f.writable or not write):
                     files.move_to_end(key)
+                    f._users += 1               # pinned: unpinned by the request's end
                     return f
         if isinstance(file, int):
             f = _files.open_fd(self, file, write, on_buffered=self._buffered_warn,
-                               direct=not self._buffered_only, transient=False,
+                               direct=not self._buffered_only,
                                checked=checked)
         else:
             f = _files.open_path(self, file, "a+" if write else "r",
@@ -1226,13 +1257,20 @@ class AioHandle:
         with self._lock:
             closed = self._closed
             if not closed:
-                for key in gone | {f.key}:
-                    old = files.pop(key, None)
-                    if old is not None:
-                        evicted.append(old)
-                files[f.key] = f
-                while len(files) > _MAX_FILES:
-                    evicted.append(files.popitem(last=False)[1])
+                won = files.get(f.key)
+                if (won is not None and not won._closed and won.key not in gone
+                        and (won.writable or not write)):
+                    evicted.append(f)           # another thread opened it first: use that
+                    f = won
+                else:
+                    for key in gone | {f.key}:
+                        old = files.pop(key, None)
+                        if old is not None:
+                            evicted.append(old)
+                    files[f.key] = f
+                    while len(files) > _MAX_FILES:
+                        evicted.append(files.popitem(last=False)[1])
+                f._users += 1                   # pinned: unpinned by the request's end
         for e in evicted:
             e.close()                           # after the requests in flight on it
         if closed:
@@ -1242,8 +1280,8 @@ class AioHandle:
 
     def _release(self, req: _Request) -> None:
         """A request is over: give back its file and let close() go on."""
-        if req.file.transient:
-            req.file.close()
+        if req.file is not req.arg:
+            req.file.unuse()                    # unpinned (see _cached)
         with self._lock:
             self._active -= 1
             if self._closed and self._active == 0:
@@ -1603,8 +1641,8 @@ class AioHandle:
             except OSError as e:
                 first = e
         req.file.unuse()
-        if req.file.transient:
-            req.file.close()
+        if req.file is not req.arg:
+            req.file.unuse()                    # unpinned (see _cached)
         with self._lock:
             self._count_outcome(req.write, token.done, first is not None)
             self._active -= 1

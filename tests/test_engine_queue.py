@@ -32,6 +32,13 @@ MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True, params=["aio", "threads"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test of this suite runs on both engine backends (subprocesses inherit it)."""
+    monkeypatch.setenv("AIOSWAP_BACKEND", request.param)
+    return str(request.param)
+
+
 def _rand(n: int, seed: int = 0) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
@@ -636,3 +643,43 @@ def test_grid_against_os(tmp_path: Path, kind: str, write: bool) -> None:
         os.close(ref_fd)
     assert _file_bytes(path) == bytes(expected)
     assert case == len(SIZES) * len(OFFSETS) * 2
+
+
+def test_auto_backend_falls_back_to_threads_when_io_setup_is_refused(
+        tmp_path: Path, backend: str) -> None:
+    """With every AIO context of the system taken (fs.aio-max-nr), a handle still works,
+    quietly, on worker threads, byte-exact; a handle that insists on kernel AIO says why."""
+    if backend != "aio":
+        pytest.skip("one run is enough")
+    data = _rand(3 * 1024 * 1024 + 17, 77)
+    p = _write(tmp_path / "f.bin", data)
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import os, warnings, torch, aioswap
+        from aioswap import _aio
+        warnings.simplefilter("error")
+        taken = []
+        try:
+            while True:
+                taken.append(_aio.AioQueue(4096, backend="aio"))
+        except OSError as e:
+            assert e.errno == 11, e
+        try:
+            aioswap.AioHandle(backend="aio")
+        except OSError as e:
+            print("AIO REFUSED", "aio-max-nr" in str(e))
+        os.environ.pop("AIOSWAP_BACKEND", None)
+        with aioswap.AioHandle() as h:
+            print("BACKEND", h.backend, "aio-max-nr" in h.backend_reason)
+            t = torch.empty({len(data)}, dtype=torch.uint8)
+            assert h.pread(t, {str(p)!r}) == {len(data)}
+            out = {str(tmp_path / 'o.bin')!r}
+            h.pwrite(t[5:], out, 4095, async_op=True).result()
+            assert h.wait() == 1
+            assert open(out, "rb").read()[4095:] == bytes(t[5:].numpy())
+            assert bytes(t.numpy()) == open({str(p)!r}, "rb").read()
+        for q in taken:
+            q.close()
+        print("OK")
+    """)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "AIO REFUSED True" in r.stdout and "BACKEND threads True" in r.stdout

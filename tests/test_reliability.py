@@ -32,6 +32,13 @@ MiB = 1 << 20
 BIG = 256 * MiB
 
 
+@pytest.fixture(autouse=True, params=["aio", "threads"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test of this suite runs on both engine backends (subprocesses inherit it)."""
+    monkeypatch.setenv("AIOSWAP_BACKEND", request.param)
+    return str(request.param)
+
+
 def _rand(n: int, seed: int = 0) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
