@@ -1,5 +1,5 @@
 """aioswap: move PyTorch tensors between memory and NVMe files at the speed of the drive."""
-from aioswap._aio import AioContext, aio_available, dio_alignment, open_direct
+from aioswap._aio import aio_available, dio_alignment, open_direct
 from aioswap.config import AioConfig
 from aioswap.errors import (AioswapError, AioswapWarning, ChecksumError, ConfigError,
                             CuFileError, CuFileUnavailable, DirectIOFallbackWarning,
@@ -15,7 +15,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AioConfig",
-    "AioContext",
     "AioFile",
     "AioHandle",
     "AioswapError",

@@ -1,6 +1,4 @@
-from collections.abc import Iterable
 from os import PathLike
-from types import TracebackType
 from typing import Any, Union
 
 from typing_extensions import disjoint_base
@@ -11,34 +9,6 @@ _Path = Union[str, bytes, PathLike[str], PathLike[bytes]]
 DEFAULT_ALIGNMENT: int
 MAX_DEPTH: int
 PAGE_SIZE: int
-
-@disjoint_base
-class AioContext:
-    def __init__(self, depth: int = 128) -> None: ...
-    def close(self) -> None: ...
-    @property
-    def closed(self) -> bool: ...
-    @property
-    def depth(self) -> int: ...
-    def __enter__(self) -> AioContext: ...
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None: ...
-    def pread(self, fd: int, buf: Any, offset: int = 0, nbytes: int | None = None, *,
-              block_size: int = ..., queue_depth: int | None = None,
-              single_submit: bool = False, overlap_events: bool = True,
-              path: _Path | None = None) -> int: ...
-    def pwrite(self, fd: int, buf: Any, offset: int = 0, nbytes: int | None = None, *,
-               block_size: int = ..., queue_depth: int | None = None,
-               single_submit: bool = False, overlap_events: bool = True,
-               path: _Path | None = None) -> int: ...
-    def preadv(self, fd: int, segments: Iterable[tuple[int, int, int]], *,
-               block_size: int = ..., queue_depth: int | None = None,
-               single_submit: bool = False, overlap_events: bool = True,
-               path: _Path | None = None) -> int: ...
-    def pwritev(self, fd: int, segments: Iterable[tuple[int, int, int]], *,
-                block_size: int = ..., queue_depth: int | None = None,
-                single_submit: bool = False, overlap_events: bool = True,
-                path: _Path | None = None) -> int: ...
 
 @disjoint_base
 class LockedMemory:

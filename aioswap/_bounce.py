@@ -20,19 +20,19 @@ _log = logging.getLogger("aioswap")
 
 #: Most bytes one lane's ring may hold, whatever ``2 * queue_depth * block_size`` says.
 DEFAULT_RING_CAP = 64 << 20
-_PAGE = 4096
+_UNIT = _aio.DEFAULT_ALIGNMENT     # a buffer holds any edge block and keeps the next aligned
 
 
 def ring_shape(block_size: int, queue_depth: int, cap: int | None = None) -> tuple[int, int]:
     """``(buffer_bytes, buffers)`` of one lane's ring.
 
-    Buffers are ``block_size`` rounded up to whole pages (at least one page, so any edge
-    block fits), ``2 * queue_depth`` of them (``queue_depth`` in the kernel while as many
-    wait for their copy), capped at ``cap`` bytes in all (at least one).
+    Buffers are ``block_size`` rounded up to whole O_DIRECT units of 4096 bytes (at least
+    one, so any edge block fits), ``2 * queue_depth`` of them (``queue_depth`` in the kernel
+    while as many wait for their copy), capped at ``cap`` bytes in all (at least one).
     """
-    cap = DEFAULT_RING_CAP if cap is None else max(_PAGE, int(cap))
-    buf = max(_PAGE, -(-block_size // _PAGE) * _PAGE)
-    buf = min(buf, max(_PAGE, cap // _PAGE * _PAGE))
+    cap = DEFAULT_RING_CAP if cap is None else max(_UNIT, int(cap))
+    buf = max(_UNIT, -(-block_size // _UNIT) * _UNIT)
+    buf = min(buf, max(_UNIT, cap // _UNIT * _UNIT))
     return buf, max(1, min(2 * queue_depth, cap // buf))
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aioswap._units import shape_fits
+from aioswap._util import fsync_dir
 from aioswap.errors import SwapError
 
 __all__ = ["LOCK_NAME", "MANIFEST_NAME", "ORPHANS_DIR", "Entry", "Manifest", "SwapDirectory",
@@ -188,11 +189,7 @@ class SwapDirectory:
                 finally:
                     os.close(fd)
                 self.fsync()
-                parent = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    os.fsync(parent)
-                finally:
-                    os.close(parent)
+                fsync_dir(os.path.dirname(path))
             self.created = created or os.path.exists(os.path.join(path, CREATED_NAME))
         except BaseException:
             self.close()

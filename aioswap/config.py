@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from aioswap._aio import MAX_DEPTH
 from aioswap._units import parse_size
 from aioswap.errors import ConfigError
 
@@ -39,8 +40,8 @@ AIO_SECTION = "aio"
 #: block would always come back short.
 MAX_BLOCK_SIZE = 0x7FFFF000
 
-#: ``io_setup`` takes an unsigned int, but the kernel's ``aio-max-nr`` default is 65536.
-MAX_QUEUE_DEPTH = 65535
+#: Most requests in flight per AIO context: the engine's own bound (65535).
+MAX_QUEUE_DEPTH = MAX_DEPTH
 
 #: Each lane of ``intra_op_parallelism`` is a kernel context and a thread.
 MAX_PARALLELISM = 256

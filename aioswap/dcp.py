@@ -62,6 +62,8 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from aioswap import pinned
+from aioswap._aio import DEFAULT_ALIGNMENT as _ALIGN
+from aioswap._util import flat_bytes, fsync_dir
 from aioswap.errors import ShortReadError
 from aioswap.handle import AioHandle
 
@@ -72,7 +74,6 @@ __all__ = ["AioReader", "AioWriter", "LAYOUT_ATTRIBUTE"]
 #: sizes, dtype)}}``. Plain values only, so the stock reader unpickles it without aioswap.
 LAYOUT_ATTRIBUTE = "aioswap_layout"
 
-_ALIGN = 4096                       # DIO alignment that is safe on every local file system
 _METADATA = ".metadata"
 _CURRENT_DCP_VERSION = "1.0.0"      # filesystem.CURRENT_DCP_VERSION, the format we write
 _DEFAULT_STAGING = 256 << 20        # bytes of read-side staging per batch
@@ -81,14 +82,6 @@ _OWN_FILE = re.compile(r"^__(\d+)_[0-9a-f]{8}_\d+" + re.escape(DEFAULT_SUFFIX) +
 
 def _align_up(n: int, a: int = _ALIGN) -> int:
     return (n + a - 1) // a * a
-
-
-def _fsync_dir(path: str | os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- torch.save blob layout ----------------------------------------------------------------
@@ -176,11 +169,6 @@ def _blob_format(sizes: tuple[int, ...], dtype: torch.dtype) -> _BlobFormat:
     return fmt
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous tensor as a flat uint8 view."""
-    return t.reshape(-1).view(torch.uint8)
-
-
 class _FilePlan:
     """The requests that write one ``.distcp`` file: block-aligned and disjoint."""
 
@@ -235,7 +223,7 @@ class _FilePlan:
         sizes = tuple(t.shape)
         fmt = _blob_format(sizes, t.dtype)
         nbytes = t.numel() * t.element_size()
-        flat = _flat_bytes(t)
+        flat = flat_bytes(t)
         full = nbytes // _ALIGN * _ALIGN
         if full:
             # place the blob so that its data starts on a block boundary
@@ -511,7 +499,7 @@ class AioWriter(FileSystemWriter):
                 os.fsync(f.fileno())
         os.replace(tmp, final)
         if self.sync_files:
-            _fsync_dir(root)
+            fsync_dir(root)
         self._remove_stale(root, {i.relative_path for i in storage_md.values()},
                            self.rank if local else None)
 

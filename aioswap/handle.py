@@ -38,6 +38,7 @@ import numpy as np
 from aioswap import _aio, _bounce, _files, pinned
 from aioswap._buffers import Buffer, resolve
 from aioswap._files import AioFile, FileArg, PathLike, describe
+from aioswap._util import flat_bytes
 from aioswap.config import AioConfig, runtime_settings
 from aioswap.errors import DirectIOFallbackWarning, HandleClosedError, ShortReadError
 
@@ -1545,7 +1546,7 @@ class AioHandle:
         ring = lane.ring
         ring.register_cuda()
         chunk = ring.nbytes
-        flat = _flat_bytes(req.mem.tensor)
+        flat = flat_bytes(req.mem.tensor)
         done = 0
         with lane.lock:                         # the ring is lent whole to this request
             host = ring.host_tensor(chunk)
@@ -1730,15 +1731,6 @@ def _drain(subs: Sequence[tuple[_Lane, int]]) -> None:
         lane.queue.cancel(rid)
     for lane, rid in subs:
         lane.queue.drain(rid)
-
-
-def _flat_bytes(t: Any) -> Any:
-    """A flat uint8 view of a contiguous tensor."""
-    import torch
-
-    d = t.detach()
-    # as_strided, not reshape: a 1-element tensor may be "contiguous" with any stride
-    return d.as_strided((d.numel(),), (1,)).view(torch.uint8)
 
 
 def _contiguous_like(mem: Buffer, write: bool) -> Any:

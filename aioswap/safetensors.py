@@ -55,7 +55,9 @@ import torch
 
 from aioswap import _scratch as _tmpfiles
 from aioswap import pinned
+from aioswap._aio import DEFAULT_ALIGNMENT as _ALIGN
 from aioswap._units import shape_fits
+from aioswap._util import flat_bytes, fsync_dir, wait_all
 from aioswap.errors import AioswapError
 from aioswap.handle import AioHandle, shared_handle
 
@@ -79,9 +81,6 @@ PathLike = Union[str, "os.PathLike[str]"]
 #: Largest JSON header accepted, in bytes (the limit the ``safetensors`` package applies).
 MAX_HEADER_BYTES = 100_000_000
 
-# File offsets and buffers are aligned to this for O_DIRECT (a multiple of any DIO alignment
-# statx reports on common file systems: 512 or 4096).
-_ALIGN = 4096
 _GROUP_BYTES = 64 << 20       # read: bytes of consecutive tensors per buffer (one request)
 _FIRST_GROUP_BYTES = 4 << 20  # read: the first group; each next one twice the last, up to 64 MiB
 _DEVICE_WINDOW_BYTES = 1 << 30   # read to a device: host staging bytes in flight at most
@@ -450,15 +449,6 @@ def _groups(header: Header, file_size: int, first: int, most: int) -> list[_Grou
     return out
 
 
-def _wait_all(futures: list[Any]) -> None:
-    """Wait for every future, then raise the first error (drain before release)."""
-    concurrent.futures.wait(futures)
-    for f in futures:
-        exc = f.exception()
-        if exc is not None:
-            raise exc
-
-
 def load_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
               handle: AioHandle | None = None, max_pinned_bytes: int | None = None
               ) -> dict[str, torch.Tensor]:
@@ -523,7 +513,7 @@ def load_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
             """Wait for one group, then make (and move) its tensors."""
             concurrent.futures.wait([g.future])
             if g.future.exception() is not None:
-                _wait_all(futures)                  # every read ends; the first error raises
+                wait_all(futures)                   # every read ends; the first error raises
             for info in g.infos:
                 dtype, shape = types[info.name]
                 t = _view(g.buf, header.data_offset + info.begin - g.file_start, info, dtype,
@@ -659,14 +649,6 @@ def _layout(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | N
     return struct.pack("<Q", len(text)) + text, spans
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements in row-major order as a flat uint8 tensor (same device)."""
-    t = t.detach().resolve_conj().resolve_neg()     # the values it shows, as stored
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
-
-
 def save(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
          ) -> bytes:
     """The bytes of a safetensors file holding ``tensors`` (and ``metadata``)."""
@@ -677,16 +659,8 @@ def save(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
     for name, begin, end in spans:
         if end > begin:
             assert dst is not None
-            dst[len(head) + begin:len(head) + end].copy_(_flat_bytes(tensors[name]))
+            dst[len(head) + begin:len(head) + end].copy_(flat_bytes(tensors[name]))
     return bytes(out)
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_file(tensors: Mapping[str, torch.Tensor], filename: PathLike,
@@ -753,7 +727,7 @@ def save_file(tensors: Mapping[str, torch.Tensor], filename: PathLike,
         fd = -1
         os.replace(tmp, path)
         done = True
-        _fsync_dir(directory)
+        fsync_dir(directory)
     finally:
         if fd >= 0:
             os.close(fd)
@@ -828,14 +802,14 @@ def _write_pieces(h: AioHandle, fd: int, pieces: list[_Piece], total: int) -> No
                 a, b = max(lo, p.start), min(hi, p.start + p.nbytes)
                 src = flat.get(j)
                 if src is None:
-                    src = flat[j] = _flat_bytes(p.source)
+                    src = flat[j] = flat_bytes(p.source)
                 dst[a - lo:b - lo].copy_(src[a - p.start:b - p.start])
                 j += 1
             busy[s] = h.pwrite(dst, fd, lo, async_op=True)
             futures.append(busy[s])
     finally:
         concurrent.futures.wait([f for f in futures])
-    _wait_all(futures)
+    wait_all(futures)
 
 
 # ---------------------------------------------------------------------------------- lazy

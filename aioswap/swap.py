@@ -108,9 +108,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union
 
 from aioswap import _checksum, _tree
+from aioswap._aio import DEFAULT_ALIGNMENT
 from aioswap._claims import NameClaims, Released, Releases, guard, storage_key, unguard
 from aioswap._manifest import (LOCK_NAME, MANIFEST_NAME, Change, Entry, Manifest,
                                SwapDirectory, Tree)
+from aioswap._util import wait_all
 from aioswap.config import AioConfig
 from aioswap.errors import ChecksumError, HandleClosedError, SwapError
 from aioswap.handle import AioHandle
@@ -124,7 +126,7 @@ __all__ = ["DEFAULT_PACK_BYTES", "DEFAULT_PIN_BUDGET", "MANIFEST_NAME", "PACK_AL
 _log = logging.getLogger("aioswap")
 
 #: Alignment of every tensor in a pack file (and of the pack's size).
-PACK_ALIGN = 4096
+PACK_ALIGN = DEFAULT_ALIGNMENT
 #: Default cap on the size of one pack file.
 DEFAULT_PACK_BYTES = 1 << 30
 #: Default bytes of page-locked destinations that one ``swap_in_state_dict`` may allocate.
@@ -1445,11 +1447,7 @@ class TensorSwapper:
         def finish() -> dict[Any, Any]:
             if job is not None:
                 job()
-            concurrent.futures.wait(futs)
-            for f in futs:
-                exc = f.exception()
-                if exc is not None:
-                    raise exc
+            wait_all(futs)
             if tree is not None:
                 state = _tree.build(tree.skeleton, {n: f.result() for n, f in zip(names, futs)},
                                     where)

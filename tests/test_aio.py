@@ -1,11 +1,14 @@
 """Tests of the kernel AIO engine (``aioswap._aio``): real files, real kernel errors.
 
-Every round trip is checked byte for byte against plain ``os.pread``/``os.pwrite`` on a
-buffered fd, in both directions, with ``os.urandom`` data. Errors are the ones the kernel
-really returns (misaligned O_DIRECT, RLIMIT_FSIZE, EOF, EBADF, signals), never mocked.
+The engine is :class:`~aioswap._aio.AioQueue`, driven here directly (the handle's layer is in
+``test_handle.py`` and ``test_engine_queue.py``). Every round trip is checked byte for byte
+against plain ``os.pread``/``os.pwrite`` on a buffered fd, in both directions, with
+``os.urandom`` data. Errors are the ones the kernel really returns (misaligned O_DIRECT,
+RLIMIT_FSIZE, EOF, EBADF, signals), never mocked.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import gc
@@ -19,6 +22,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +30,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import aioswap
 from aioswap import _aio
-from aioswap._aio import AioContext, LockedMemory, aio_available, dio_alignment, open_direct
-from aioswap.errors import (AioswapError, DirectIOUnsupportedError, HandleClosedError,
-                            ShortReadError)
+from aioswap._aio import (MODE_BOUNCE, MODE_DIRECT, MODE_PLAIN, AioQueue, FileState,
+                          LockedMemory, aio_available, dio_alignment, open_direct)
+from aioswap.errors import DirectIOUnsupportedError, HandleClosedError
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -112,14 +117,48 @@ def _file_bytes(path: Path) -> bytes:
         return f.read()
 
 
-def _round_trip(ctx: AioContext, path: Path, size: int, offset: int = 0, **knobs) -> None:
+@contextlib.contextmanager
+def _queue(depth: int, **knobs) -> Iterator[AioQueue]:
+    q = AioQueue(depth, **knobs)
+    try:
+        yield q
+    finally:
+        q.close()
+
+
+def _submit(q: AioQueue, fd: int, write: bool, addr: int, nbytes: int, offset: int = 0, *,
+            mode: int = MODE_DIRECT, align: int = 1, block: int = MiB,
+            file: FileState | None = None) -> int:
+    """Queue one sync request; its id (for ``q.wait``)."""
+    return q.submit(fd, write, addr, nbytes, offset, mode, align, block, file, False, True)
+
+
+def _io(q: AioQueue, fd: int, write: bool, addr: int, nbytes: int, offset: int = 0, *,
+        route: str = "submit", mode: int = MODE_DIRECT, align: int = 1, block: int = MiB,
+        file: FileState | None = None) -> tuple[int, int, int, int, bool]:
+    """One sync request: ``(done, err, err_offset, err_nbytes, eof)``.
+
+    ``route="run"`` goes through :meth:`AioQueue.run`, which serves a request of one aligned
+    piece with a plain ``pread``/``pwrite`` in this thread.
+    """
+    if route == "run":
+        return q.run(fd, write, addr, nbytes, offset, mode, align, block, file)
+    return q.wait(_submit(q, fd, write, addr, nbytes, offset, mode=mode, align=align,
+                          block=block, file=file))
+
+
+def _ok(res: tuple[int, int, int, int, bool], nbytes: int) -> None:
+    assert res == (nbytes, 0, 0, 0, False), res
+
+
+def _round_trip(q: AioQueue, path: Path, size: int, offset: int = 0, **kw) -> None:
     """Engine write checked by os.pread; os.pwrite checked by engine read."""
     mem = _mem(size)
     data = os.urandom(size)
     _load(mem, data)
     fd = open_direct(path, write=True, create=True)
     try:
-        assert ctx.pwrite(fd, mem, offset, path=path, **knobs) == size
+        _ok(_io(q, fd, True, mem.address, size, offset, **kw), size)
     finally:
         os.close(fd)
     assert path.stat().st_size >= offset + size
@@ -130,16 +169,16 @@ def _round_trip(ctx: AioContext, path: Path, size: int, offset: int = 0, **knobs
     _fill(mem)
     fd = open_direct(path)
     try:
-        assert ctx.pread(fd, mem, offset, path=path, **knobs) == size
+        _ok(_io(q, fd, False, mem.address, size, offset, **kw), size)
     finally:
         os.close(fd)
     _assert_same(mem, data, f"engine read of {size} bytes at {offset}")
 
 
 @pytest.fixture
-def ctx():
-    with AioContext(128) as c:
-        yield c
+def queue():
+    with _queue(128) as q:
+        yield q
 
 
 @pytest.fixture
@@ -168,138 +207,148 @@ def long_file(disk_root: Path):
                          ids=["bs4K", "bs64K", "bs1M", "bs8M"])
 @pytest.mark.parametrize("queue_depth", [1, 2, 32, 128], ids=lambda q: f"qd{q}")
 @pytest.mark.parametrize("single_submit,overlap_events", COMBOS, ids=COMBO_IDS)
-def test_round_trip_knobs(ctx, tmp_dir, align, block_size, queue_depth, single_submit,
+def test_round_trip_knobs(tmp_dir, align, block_size, queue_depth, single_submit,
                           overlap_events):
     # 3 MiB + 3 alignment units: not a multiple of 64K/1M (last piece shorter), below 8M
-    _round_trip(ctx, tmp_dir / "f.bin", 3 * MiB + 3 * align, offset=5 * align,
-                block_size=block_size, queue_depth=queue_depth,
-                single_submit=single_submit, overlap_events=overlap_events)
+    with _queue(queue_depth, single_submit=single_submit, overlap_events=overlap_events) as q:
+        _round_trip(q, tmp_dir / "f.bin", 3 * MiB + 3 * align, offset=5 * align, align=align,
+                    block=block_size)
 
 
+@pytest.mark.parametrize("route", ["submit", "run"])
 @pytest.mark.parametrize("offset_units", [0, 1, 2049], ids=lambda u: f"off{u}")
 @pytest.mark.parametrize("size", ["one-block", "4K", "64K+1", "1M", "33M+1"])
-def test_round_trip_sizes(ctx, tmp_dir, align, size, offset_units):
+def test_round_trip_sizes(queue, tmp_dir, align, size, offset_units, route):
     nbytes = {"one-block": align, "4K": 4 * KiB, "64K+1": 64 * KiB + align, "1M": MiB,
               "33M+1": 33 * MiB + align}[size]
-    _round_trip(ctx, tmp_dir / "f.bin", nbytes, offset=offset_units * align)
+    _round_trip(queue, tmp_dir / "f.bin", nbytes, offset=offset_units * align, align=align,
+                route=route)
 
 
 @pytest.mark.parametrize("single_submit,overlap_events", COMBOS, ids=COMBO_IDS)
-def test_last_piece_shorter(ctx, tmp_dir, align, single_submit, overlap_events):
+def test_last_piece_shorter(tmp_dir, align, single_submit, overlap_events):
     # 3 full 1 MiB pieces then one of a single alignment unit, at a nonzero aligned offset
-    _round_trip(ctx, tmp_dir / "f.bin", 3 * MiB + align, offset=7 * align, block_size=MiB,
-                queue_depth=2, single_submit=single_submit, overlap_events=overlap_events)
+    with _queue(2, single_submit=single_submit, overlap_events=overlap_events) as q:
+        _round_trip(q, tmp_dir / "f.bin", 3 * MiB + align, offset=7 * align, align=align,
+                    block=MiB)
 
 
 @pytest.mark.slow
-def test_round_trip_over_one_gib(ctx, tmp_dir):
+def test_round_trip_over_one_gib(tmp_dir, align):
     size = GiB + MiB
     path = tmp_dir / "big.bin"
-    knobs = dict(block_size=8 * MiB, queue_depth=32, path=path)
+    knobs = dict(align=align, block=8 * MiB)
     try:
         data = os.urandom(size)
         mem = _mem(size)
         _load(mem, data)
-        fd = open_direct(path, write=True, create=True, truncate=True)
-        try:
-            assert ctx.pwrite(fd, mem, **knobs) == size
-        finally:
-            os.close(fd)
-        assert path.stat().st_size == size
-        _ref_check(path, data)
+        with _queue(32) as q:
+            fd = open_direct(path, write=True, create=True, truncate=True)
+            try:
+                _ok(_io(q, fd, True, mem.address, size, **knobs), size)
+            finally:
+                os.close(fd)
+            assert path.stat().st_size == size
+            _ref_check(path, data)
 
-        # the other direction without another GiB of urandom: rotate the data by 5 MiB
-        rotated = data[5 * MiB:] + data[:5 * MiB]
-        del data
-        _ref_write(path, rotated)
-        _fill(mem)
-        fd = open_direct(path)
-        try:
-            assert ctx.pread(fd, mem, **knobs) == size
-        finally:
-            os.close(fd)
+            # the other direction without another GiB of urandom: rotate the data by 5 MiB
+            rotated = data[5 * MiB:] + data[:5 * MiB]
+            del data
+            _ref_write(path, rotated)
+            _fill(mem)
+            fd = open_direct(path)
+            try:
+                _ok(_io(q, fd, False, mem.address, size, **knobs), size)
+            finally:
+                os.close(fd)
         _assert_same(mem, rotated, "engine read of 1 GiB + 1 MiB")
     finally:
         path.unlink(missing_ok=True)
 
 
-def test_round_trip_buffered_fd_any_size(ctx, tmp_dir):
+def test_round_trip_buffered_fd_any_size(tmp_dir):
     # without O_DIRECT nothing needs alignment: odd sizes, odd offsets, odd block sizes
     path = tmp_dir / "f.bin"
-    buf = bytearray(MiB + 7)
-    data = os.urandom(len(buf))
+    n = MiB + 7
+    mem = _mem(n)
+    data = os.urandom(n)
+    _load(mem, data)
+    knobs = dict(mode=MODE_PLAIN, block=4093)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        assert ctx.pwrite(fd, data, 3, block_size=4093, queue_depth=5) == len(data)
-        _ref_check(path, data, 3)
-        data = os.urandom(len(buf))
-        _ref_write(path, data, 3)
-        assert ctx.pread(fd, buf, 3, block_size=4093, queue_depth=5) == len(buf)
+        with _queue(5) as q:
+            _ok(_io(q, fd, True, mem.address, n, 3, **knobs), n)
+            _ref_check(path, data, 3)
+            data = os.urandom(n)
+            _ref_write(path, data, 3)
+            _fill(mem)
+            _ok(_io(q, fd, False, mem.address, n, 3, **knobs), n)
     finally:
         os.close(fd)
-    _assert_same(buf, data)
+    _assert_same(mem, data)
 
 
-def test_buffers_of_every_kind(ctx, tmp_dir):
-    # bytes/bytearray/memoryview/numpy for writes; writable ones and raw addresses for reads
+def test_buffers_of_every_kind(tmp_dir):
+    # the engine takes addresses; the handle turns every kind of buffer into one
     path = tmp_dir / "f.bin"
     data = os.urandom(64 * KiB)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    with aioswap.AioHandle(block_size=16 * KiB, queue_depth=4) as h:
         for src in (data, bytearray(data), memoryview(data),
                     np.frombuffer(data, np.float32).reshape(64, -1)):
-            assert ctx.pwrite(fd, src) == len(data)
+            assert h.pwrite(src, path) == len(data)
             _ref_check(path, data)
         arr = np.zeros(len(data) // 8, np.float64)
         for dst in (bytearray(len(data)), memoryview(bytearray(len(data))), arr):
-            assert ctx.pread(fd, dst) == len(data)
+            assert h.pread(dst, path) == len(data)
             _assert_same(dst, data)
-        mem = _mem(len(data))
-        assert ctx.pread(fd, mem.address, nbytes=len(data)) == len(data)
-        _assert_same(mem, data)
-        assert ctx.pread(fd, bytearray(10), nbytes=0) == 0
-    finally:
-        os.close(fd)
+        assert h.pread(bytearray(10), path, nbytes=0) == 0
 
 
 @pytest.mark.parametrize("block_size", [4 * KiB, 256 * KiB], ids=["bs4K", "bs256K"])
 @pytest.mark.parametrize("single_submit,overlap_events", COMBOS, ids=COMBO_IDS)
-def test_vectored_round_trip(ctx, tmp_dir, align, block_size, single_submit, overlap_events):
+def test_many_requests_in_one_queue(tmp_dir, align, block_size, single_submit, overlap_events):
+    # requests queued together, then waited for in turn: out of file order, with gaps, one
+    # empty; every waiter reaps whatever completes
     path = tmp_dir / "v.bin"
     mem = _mem(4 * MiB)
     a = mem.address
-    # (memory offset, nbytes, file offset): out of file order, with gaps, one empty segment
+    # (memory offset, nbytes, file offset)
     layout = [(0, 64 * KiB, MiB), (64 * KiB, 8 * align, 0), (MiB, 512 * KiB, 2 * MiB + align),
               (2 * MiB, 0, 0), (2 * MiB, MiB + align, 5 * MiB + 3 * align),
               (128 * KiB, 3 * align, 64 * KiB)]
-    segs = [(a + m, n, off) for m, n, off in layout]
-    total = sum(n for _, n, _ in layout)
-    knobs = dict(block_size=block_size, queue_depth=8, single_submit=single_submit,
-                 overlap_events=overlap_events, path=path)
+    knobs = dict(align=align, block=block_size)
+
+    def run_all(q: AioQueue, fd: int, write: bool) -> None:
+        rids = [_submit(q, fd, write, a + m, n, off, **knobs) for m, n, off in layout]
+        for rid, (_, n, _) in zip(rids, layout):
+            _ok(q.wait(rid), n)
+
     pieces = [os.urandom(n) for _, n, _ in layout]
     for (m, _, _), p in zip(layout, pieces):
         _load(mem, p, m)
-    fd = open_direct(path, write=True, create=True)
-    try:
-        assert ctx.pwritev(fd, iter(segs), **knobs) == total       # any iterable
-    finally:
-        os.close(fd)
-    for (_, _, off), p in zip(layout, pieces):
-        _ref_check(path, p, off)
-    assert _file_bytes(path)[MiB + 64 * KiB:2 * MiB + align] == bytes(MiB - 64 * KiB + align)
+    with _queue(8, single_submit=single_submit, overlap_events=overlap_events) as q:
+        fd = open_direct(path, write=True, create=True)
+        try:
+            run_all(q, fd, True)
+        finally:
+            os.close(fd)
+        for (_, _, off), p in zip(layout, pieces):
+            _ref_check(path, p, off)
+        assert _file_bytes(path)[MiB + 64 * KiB:2 * MiB + align] == \
+            bytes(MiB - 64 * KiB + align)
 
-    pieces = [os.urandom(n) for _, n, _ in layout]
-    for (_, _, off), p in zip(layout, pieces):
-        _ref_write(path, p, off)
-    _fill(mem)
-    fd = open_direct(path)
-    try:
-        assert ctx.preadv(fd, segs, **knobs) == total
-        assert ctx.preadv(fd, [], **knobs) == 0
-    finally:
-        os.close(fd)
+        pieces = [os.urandom(n) for _, n, _ in layout]
+        for (_, _, off), p in zip(layout, pieces):
+            _ref_write(path, p, off)
+        _fill(mem)
+        fd = open_direct(path)
+        try:
+            run_all(q, fd, False)
+        finally:
+            os.close(fd)
+        assert q.inflight == 0
     for (m, n, off), p in zip(layout, pieces):
-        _assert_same(memoryview(mem)[m:m + n], p, f"segment at file offset {off}")
+        _assert_same(memoryview(mem)[m:m + n], p, f"request at file offset {off}")
 
 
 @settings(max_examples=40, deadline=None,
@@ -307,13 +356,13 @@ def test_vectored_round_trip(ctx, tmp_dir, align, block_size, single_submit, ove
 @given(units=st.integers(1, 600), offset_units=st.integers(0, 5000),
        block_units=st.sampled_from([1, 3, 8, 64, 256, 2048]), queue_depth=st.integers(1, 8),
        single_submit=st.booleans(), overlap_events=st.booleans())
-def test_property_direct(ctx, tmp_dir, align, units, offset_units, block_units, queue_depth,
+def test_property_direct(tmp_dir, align, units, offset_units, block_units, queue_depth,
                          single_submit, overlap_events):
     path = tmp_dir / "p.bin"
     path.unlink(missing_ok=True)
-    _round_trip(ctx, path, units * align, offset_units * align, block_size=block_units * align,
-                queue_depth=queue_depth, single_submit=single_submit,
-                overlap_events=overlap_events)
+    with _queue(queue_depth, single_submit=single_submit, overlap_events=overlap_events) as q:
+        _round_trip(q, path, units * align, offset_units * align, align=align,
+                    block=block_units * align)
 
 
 @settings(max_examples=40, deadline=None,
@@ -321,24 +370,27 @@ def test_property_direct(ctx, tmp_dir, align, units, offset_units, block_units, 
 @given(size=st.integers(1, 300_000), offset=st.integers(0, 100_000),
        block_size=st.integers(1, 70_000), queue_depth=st.integers(1, 16),
        single_submit=st.booleans(), overlap_events=st.booleans())
-def test_property_buffered(ctx, tmp_dir, size, offset, block_size, queue_depth, single_submit,
+def test_property_buffered(tmp_dir, size, offset, block_size, queue_depth, single_submit,
                            overlap_events):
     path = tmp_dir / "p.bin"
-    knobs = dict(block_size=block_size, queue_depth=queue_depth, single_submit=single_submit,
-                 overlap_events=overlap_events)
+    knobs = dict(mode=MODE_PLAIN, block=block_size)
+    mem = _mem(size)
     data = os.urandom(size)
+    _load(mem, data)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        assert ctx.pwrite(fd, data, offset, **knobs) == size
-        assert os.fstat(fd).st_size == offset + size
-        _ref_check(path, data, offset)
-        data = os.urandom(size)
-        _ref_write(path, data, offset)
-        buf = bytearray(size)
-        assert ctx.pread(fd, buf, offset, **knobs) == size
+        with _queue(queue_depth, single_submit=single_submit,
+                    overlap_events=overlap_events) as q:
+            _ok(_io(q, fd, True, mem.address, size, offset, **knobs), size)
+            assert os.fstat(fd).st_size == offset + size
+            _ref_check(path, data, offset)
+            data = os.urandom(size)
+            _ref_write(path, data, offset)
+            _fill(mem)
+            _ok(_io(q, fd, False, mem.address, size, offset, **knobs), size)
     finally:
         os.close(fd)
-    _assert_same(buf, data)
+    _assert_same(mem, data)
 
 
 # --------------------------------------------------------------------------- kernel errors
@@ -395,29 +447,31 @@ def test_dio_alignment(tmp_dir):
     assert aio_available() == (True, "")
 
 
+@pytest.mark.parametrize("route", ["submit", "run"])
 @pytest.mark.parametrize("op", ["read", "write"])
-def test_misaligned_offset_is_einval(ctx, tmp_dir, align, op):
+def test_misaligned_offset_is_einval(queue, tmp_dir, align, op, route):
+    # a caller that claims no alignment on an O_DIRECT fd gets the kernel's EINVAL, with the
+    # offset of the failed piece, and nothing moves
     path = tmp_dir / "f.bin"
     data = os.urandom(4 * align)
     _ref_write(path, data)
     mem = _mem(2 * align)
+    _fill(mem)
     fd = open_direct(path, write=True)
     try:
-        call = ctx.pread if op == "read" else ctx.pwrite
-        with pytest.raises(OSError) as ei:
-            call(fd, mem, 100, path=path)
+        done, err, eoff, en, eof = _io(queue, fd, op == "write", mem.address, 2 * align, 100,
+                                       route=route)
+        assert (done, err, eoff, eof) == (0, errno.EINVAL, 100, False)
+        assert 0 < en <= 2 * align
+        _ok(_io(queue, fd, False, mem.address, align, 0, align=align), align)  # still usable
     finally:
         os.close(fd)
-    exc = ei.value
-    assert exc.errno == errno.EINVAL, exc
-    assert os.fspath(exc.filename) == str(path)
-    assert "file offset 100" in str(exc) and exc.offset == 100
     assert _file_bytes(path) == data
 
 
 @pytest.mark.parametrize("op", ["read", "write"])
 @pytest.mark.parametrize("what", ["address", "size"])
-def test_misaligned_memory_or_size_is_einval(ctx, tmp_dir, align, op, what):
+def test_misaligned_memory_or_size_is_einval(queue, tmp_dir, align, op, what):
     path = tmp_dir / "f.bin"
     data = os.urandom(64 * KiB)
     _ref_write(path, data)
@@ -428,30 +482,28 @@ def test_misaligned_memory_or_size_is_einval(ctx, tmp_dir, align, op, what):
     nbytes = 16 * KiB if what == "address" else align + 100
     fd = open_direct(path, write=True)
     try:
-        call = ctx.pread if op == "read" else ctx.pwrite
-        with pytest.raises(OSError) as ei:
-            call(fd, addr, align, nbytes, path=path)
+        done, err, eoff, _, eof = _io(queue, fd, op == "write", addr, nbytes, align)
     finally:
         os.close(fd)
-    assert ei.value.errno == errno.EINVAL
-    assert f"file offset {align}" in str(ei.value)
+    assert err == errno.EINVAL and eoff == align and not eof
     assert _file_bytes(path) == data
 
 
-def test_bad_fd_is_ebadf(ctx, tmp_dir):
+@pytest.mark.parametrize("route", ["submit", "run"])
+def test_bad_fd_is_ebadf(queue, tmp_dir, route):
     path = tmp_dir / "f.bin"
     _ref_write(path, os.urandom(8192))
-    buf = bytearray(4096)
+    mem = _mem(4096)
     wfd = os.open(path, os.O_WRONLY)
     rfd = os.open(path, os.O_RDONLY)
     closed = os.open(path, os.O_RDONLY)
     os.close(closed)
+    knobs = dict(mode=MODE_PLAIN, block=4096, route=route)
     try:
-        for call, fd in ((ctx.pread, wfd), (ctx.pwrite, rfd), (ctx.pread, closed)):
-            with pytest.raises(OSError) as ei:
-                call(fd, buf, path=path)
-            assert ei.value.errno == errno.EBADF
-        assert ctx.pread(rfd, buf) == len(buf)                   # still usable
+        for write, fd in ((False, wfd), (True, rfd), (False, closed)):
+            done, err, eoff, en, eof = _io(queue, fd, write, mem.address, 4096, **knobs)
+            assert (done, err, eoff, en, eof) == (0, errno.EBADF, 0, 4096, False)
+        _ok(_io(queue, rfd, False, mem.address, 4096, **knobs), 4096)   # still usable
     finally:
         os.close(wfd)
         os.close(rfd)
@@ -459,35 +511,34 @@ def test_bad_fd_is_ebadf(ctx, tmp_dir):
 
 @pytest.mark.parametrize("queue_depth", [1, 32])
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
-def test_read_past_eof(ctx, tmp_dir, queue_depth, direct):
+def test_read_past_eof(tmp_dir, align, queue_depth, direct):
     # the file ends 100 bytes into a block: the last piece is short, its remainder hits EOF
     path = tmp_dir / "f.bin"
     data = os.urandom(MiB + 100)
     _ref_write(path, data)
     mem = _mem(2 * MiB)
     _fill(mem)
+    knobs = dict(mode=MODE_DIRECT, align=align) if direct else dict(mode=MODE_PLAIN)
     fd = open_direct(path) if direct else os.open(path, os.O_RDONLY)
     try:
-        with pytest.raises(ShortReadError) as ei:
-            ctx.pread(fd, mem, block_size=256 * KiB, queue_depth=queue_depth, path=path)
-        exc = ei.value
-        assert isinstance(exc, EOFError) and isinstance(exc, AioswapError)
-        assert (exc.path, exc.offset, exc.nbytes, exc.file_size) == (str(path), 0, 2 * MiB,
-                                                                      len(data))
-        assert str(path) in str(exc)
-        _assert_same(memoryview(mem)[:len(data)], data, "bytes before EOF")
+        with _queue(queue_depth) as q:
+            done, err, eoff, _, eof = _io(q, fd, False, mem.address, 2 * MiB,
+                                          block=256 * KiB, **knobs)
+            assert eof and err == 0 and done <= len(data), (done, err, eoff, eof)
+            assert MiB <= eoff < 2 * MiB                   # a piece that met the end
+            _assert_same(memoryview(mem)[:len(data)], data, "bytes before EOF")
 
-        with pytest.raises(ShortReadError) as ei:                # wholly past the end
-            ctx.pread(fd, mem, 4 * MiB, 4096, path=path)
-        assert ei.value.offset == 4 * MiB
-        assert ctx.pread(fd, mem, 0, MiB) == MiB                 # context still usable
+            done, err, eoff, _, eof = _io(q, fd, False, mem.address, 4096, 4 * MiB,
+                                          block=256 * KiB, **knobs)
+            assert (done, err, eoff, eof) == (0, 0, 4 * MiB, True)   # wholly past the end
+            _ok(_io(q, fd, False, mem.address, MiB, 0, block=256 * KiB, **knobs), MiB)
     finally:
         os.close(fd)
 
 
 RLIMIT_CHILD = textwrap.dedent("""
     import json, os, resource, signal, sys
-    from aioswap._aio import AioContext, LockedMemory, open_direct
+    from aioswap._aio import MODE_DIRECT, AioQueue, LockedMemory, dio_alignment, open_direct
     ref, target, limit, ss, ov = sys.argv[1], sys.argv[2], int(sys.argv[3]), \\
         sys.argv[4] == "1", sys.argv[5] == "1"
     with open(ref, "rb") as f:
@@ -495,21 +546,22 @@ RLIMIT_CHILD = textwrap.dedent("""
     mem = LockedMemory(len(data), lock=False)
     memoryview(mem)[:] = data
     fd = open_direct(target, write=True, create=True, truncate=True)
+    align = dio_alignment(fd)[1]
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)    # else the kernel kills us instead of EFBIG
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    with AioContext(16) as ctx:
-        try:
-            n = ctx.pwrite(fd, mem, block_size=64 << 10, queue_depth=4, single_submit=ss,
-                           overlap_events=ov, path=target)
-        except OSError as exc:
-            out = {"errno": exc.errno, "msg": str(exc), "filename": exc.filename,
-                   "offset": getattr(exc, "offset", None)}
-        else:
-            out = {"written": n}
-        # the context survives a failed request
-        ctx.pwrite(fd, mem, 0, 4096)
-    print(json.dumps(out))
+    q = AioQueue(4, single_submit=ss, overlap_events=ov)
+    try:
+        done, err, eoff, en, eof = q.wait(q.submit(fd, True, mem.address, len(data), 0,
+                                                   MODE_DIRECT, align, 64 << 10, None, False,
+                                                   True))
+        # the queue survives a failed request
+        after = q.wait(q.submit(fd, True, mem.address, 4096, 0, MODE_DIRECT, align, 4096,
+                                None, False, True))
+    finally:
+        q.close()
+    print(json.dumps({"done": done, "errno": err, "offset": eoff, "eof": eof,
+                      "after": list(after)}))
 """)
 
 
@@ -527,10 +579,10 @@ def test_full_disk_rlimit_fsize_is_efbig(tmp_dir, limit, single_submit, overlap_
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out.get("errno") == errno.EFBIG, out
-    assert out["filename"] == str(target)
+    assert out["errno"] == errno.EFBIG and not out["eof"], out
     assert limit <= out["offset"] < len(data), out
-    assert re.search(r"file offset \d+", out["msg"]), out
+    assert out["done"] <= limit, out
+    assert out["after"] == [4096, 0, 0, 0, False], out
     assert target.stat().st_size == limit
     _ref_check(target, data[:limit])                 # nothing before the limit corrupted
 
@@ -551,24 +603,25 @@ def _with_timer(handler, interval: float, fn):
         signal.signal(signal.SIGALRM, old)
 
 
-def test_signals_during_long_read(ctx, long_file):
+def test_signals_during_long_read(long_file, align):
     path, data = long_file
     mem = _mem(len(data))
     _fill(mem)
     calls = []
     fd = open_direct(path)
     try:
-        n = _with_timer(lambda signum, frame: calls.append(signum), 0.002,
-                        lambda: ctx.pread(fd, mem, block_size=64 * KiB, queue_depth=1,
-                                          path=path))
+        with _queue(1) as q:
+            res = _with_timer(lambda signum, frame: calls.append(signum), 0.002,
+                              lambda: _io(q, fd, False, mem.address, len(data), align=align,
+                                          block=64 * KiB))
     finally:
         os.close(fd)
-    assert n == len(data)
+    _ok(res, len(data))
     assert len(calls) >= 1
     _assert_same(mem, data, "read interrupted by signals")
 
 
-def test_signals_during_long_write(ctx, tmp_dir):
+def test_signals_during_long_write(tmp_dir, align):
     path = tmp_dir / "w.bin"
     data = os.urandom(128 * MiB)
     mem = _mem(len(data))
@@ -576,17 +629,19 @@ def test_signals_during_long_write(ctx, tmp_dir):
     calls = []
     fd = open_direct(path, write=True, create=True)
     try:
-        n = _with_timer(lambda signum, frame: calls.append(signum), 0.002,
-                        lambda: ctx.pwrite(fd, mem, block_size=64 * KiB, queue_depth=1,
-                                           path=path))
+        with _queue(1) as q:
+            res = _with_timer(lambda signum, frame: calls.append(signum), 0.002,
+                              lambda: _io(q, fd, True, mem.address, len(data), align=align,
+                                          block=64 * KiB))
     finally:
         os.close(fd)
-    assert n == len(data) and len(calls) >= 1
+    _ok(res, len(data))
+    assert len(calls) >= 1
     _ref_check(path, data)
     path.unlink()
 
 
-def test_signal_handler_exception_propagates(ctx, long_file):
+def test_signal_handler_exception_propagates(long_file, align):
     path, data = long_file
     mem = _mem(len(data))
     _fill(mem)
@@ -600,23 +655,26 @@ def test_signal_handler_exception_propagates(ctx, long_file):
 
     fd = open_direct(path)
     try:
-        with pytest.raises(_Interrupt):
-            _with_timer(handler, 0.01,
-                        lambda: ctx.pread(fd, mem, block_size=16 * KiB, queue_depth=1,
-                                          path=path))
-        assert len(calls) >= 1
-        # the transfer stopped early (the last MiB was never read) ...
-        assert memoryview(mem)[-MiB:].tobytes() == b"\xa5" * MiB
-        # ... and the context is still usable
-        _fill(mem)
-        assert ctx.pread(fd, mem, 0, 8 * MiB, block_size=MiB) == 8 * MiB
-        _assert_same(memoryview(mem)[:8 * MiB], data[:8 * MiB])
+        with _queue(1) as q:
+            with pytest.raises(_Interrupt):
+                _with_timer(handler, 0.01,
+                            lambda: _io(q, fd, False, mem.address, len(data), align=align,
+                                        block=16 * KiB))
+            assert len(calls) >= 1
+            # the request stopped early (the last MiB was never read), nothing is left in
+            # flight ...
+            assert q.inflight == 0
+            assert memoryview(mem)[-MiB:].tobytes() == b"\xa5" * MiB
+            # ... and the queue is still usable
+            _fill(mem)
+            _ok(_io(q, fd, False, mem.address, 8 * MiB, align=align, block=MiB), 8 * MiB)
+            _assert_same(memoryview(mem)[:8 * MiB], data[:8 * MiB])
+            assert not q.closed
     finally:
         os.close(fd)
-    assert not ctx.closed
 
 
-def test_single_signal_handled_during_transfer(ctx, long_file):
+def test_single_signal_handled_during_transfer(long_file, align):
     # one SIGALRM (think Ctrl-C) early in a long transfer must stop it early
     path, data = long_file
     nbytes = 64 * MiB
@@ -628,60 +686,65 @@ def test_single_signal_handled_during_transfer(ctx, long_file):
     fd = open_direct(path)
     old = signal.signal(signal.SIGALRM, handler)
     try:
-        for trial in range(5):
-            _fill(mem)
-            signal.setitimer(signal.ITIMER_REAL, 0.005 + 0.002 * trial)
-            raised = False
-            try:
-                ctx.pread(fd, mem, 0, nbytes, block_size=16 * KiB, queue_depth=1)
-                for _ in range(100):                  # a deferred handler runs here
-                    time.sleep(0.001)
-            except _Interrupt:
-                raised = True
-            assert raised
-            finished = memoryview(mem)[-4096:].tobytes() != b"\xa5" * 4096
-            assert not finished, f"trial {trial}: the signal was handled after the transfer"
+        with _queue(1) as q:
+            for trial in range(5):
+                _fill(mem)
+                signal.setitimer(signal.ITIMER_REAL, 0.005 + 0.002 * trial)
+                raised = False
+                try:
+                    _io(q, fd, False, mem.address, nbytes, align=align, block=16 * KiB)
+                    for _ in range(100):                  # a deferred handler runs here
+                        time.sleep(0.001)
+                except _Interrupt:
+                    raised = True
+                assert raised
+                finished = memoryview(mem)[-4096:].tobytes() != b"\xa5" * 4096
+                assert not finished, f"trial {trial}: the signal was handled after the transfer"
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0, 0)
         signal.signal(signal.SIGALRM, old)
         os.close(fd)
 
 
-def test_contexts_in_threads(tmp_dir, align):
-    # one context per thread, all on one file at once, each on its own region
+def test_threads_share_one_queue(tmp_dir, align):
+    # four threads, each waiting for its own sync requests on one queue, all on one file at
+    # once, each on its own region
     path = tmp_dir / "t.bin"
     region = 4 * MiB
     datas = [os.urandom(region) for _ in range(4)]
     errors = []
+    fd = open_direct(path, write=True, create=True)
 
-    def work(i):
+    def work(q, i):
         try:
             mem = _mem(region)
             _load(mem, datas[i])
-            with AioContext(16) as c:
-                fd = open_direct(path, write=True, create=True)
-                try:
-                    for _ in range(3):
-                        c.pwrite(fd, mem, i * region, block_size=64 * KiB, queue_depth=8)
-                        _fill(mem)
-                        c.pread(fd, mem, i * region, block_size=256 * KiB, queue_depth=4)
-                        assert memoryview(mem).tobytes() == datas[i]
-                finally:
-                    os.close(fd)
+            for _ in range(3):
+                _ok(_io(q, fd, True, mem.address, region, i * region, align=align,
+                        block=64 * KiB), region)
+                _fill(mem)
+                _ok(_io(q, fd, False, mem.address, region, i * region, align=align,
+                        block=256 * KiB), region)
+                assert memoryview(mem).tobytes() == datas[i]
         except BaseException as exc:                     # reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    try:
+        with _queue(16) as q:
+            threads = [threading.Thread(target=work, args=(q, i)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert q.inflight == 0
+    finally:
+        os.close(fd)
     assert not errors, errors
     _ref_check(path, b"".join(datas))
 
 
 @pytest.mark.parametrize("op", ["read", "write"])
-def test_gil_released_during_transfer(ctx, tmp_dir, long_file, op):
+def test_gil_released_during_transfer(tmp_dir, long_file, align, op):
     path, data = long_file
     if op == "write":
         path = tmp_dir / "gil.bin"
@@ -703,11 +766,12 @@ def test_gil_released_during_transfer(ctx, tmp_dir, long_file, op):
         rate_idle = (counter[0] - c0) / (time.perf_counter() - t0)
         fd = open_direct(path, write=op == "write", create=op == "write")
         try:
-            call = ctx.pread if op == "read" else ctx.pwrite
-            c0, t0 = counter[0], time.perf_counter()
-            call(fd, mem, block_size=64 * KiB, queue_depth=1, path=path)
-            elapsed = time.perf_counter() - t0
-            advanced = counter[0] - c0
+            with _queue(1) as q:
+                c0, t0 = counter[0], time.perf_counter()
+                _ok(_io(q, fd, op == "write", mem.address, len(data), align=align,
+                        block=64 * KiB), len(data))
+                elapsed = time.perf_counter() - t0
+                advanced = counter[0] - c0
         finally:
             os.close(fd)
     finally:
@@ -752,34 +816,38 @@ def test_no_leaks_after_10000_operations(tmp_dir, align):
     gc.collect()
     fds, rings, nr = _open_fds(), _aio_rings(), _aio_nr()
 
-    with AioContext(32) as ctx:
+    with _queue(32) as q:
         assert _aio_rings() == rings + 1
         fd = open_direct(path, write=True)
         try:
             a = mem.address
+            kw = dict(align=align, block=align)
             for i in range(10_000):
                 kind, off = i % 10, (i * align) % (MiB - 8 * KiB)
                 if kind < 3:
-                    ctx.pwrite(fd, mem, off, 4 * KiB, block_size=align)
+                    _ok(_io(q, fd, True, a, 4 * KiB, off, **kw), 4 * KiB)
                 elif kind < 6:
-                    ctx.pread(fd, mem, off, 8 * KiB, queue_depth=2)
-                elif kind == 6:
-                    ctx.preadv(fd, [(a, align, off), (a + 4 * KiB, align, 0)])
+                    _ok(_io(q, fd, False, a, 8 * KiB, off, route="run", align=align,
+                            block=4 * align), 8 * KiB)
+                elif kind == 6:                          # two requests in flight together
+                    r1 = _submit(q, fd, False, a, align, off, **kw)
+                    r2 = _submit(q, fd, False, a + 4 * KiB, align, 0, **kw)
+                    _ok(q.wait(r1), align)
+                    _ok(q.wait(r2), align)
                 elif kind == 7:
-                    with pytest.raises(OSError):
-                        ctx.pread(fd, mem, off + 1, 4 * KiB)             # EINVAL
+                    assert _io(q, fd, False, a, 4 * KiB, off + 1)[1] == errno.EINVAL
                 elif kind == 8:
-                    with pytest.raises(ShortReadError):
-                        ctx.pread(fd, mem, MiB - align, 2 * align)
+                    assert _io(q, fd, False, a, 2 * align, MiB - align, **kw)[4]   # EOF
                 else:
                     with pytest.raises(ValueError):
-                        ctx.pwrite(fd, mem, -1)
+                        _submit(q, fd, True, a, 4 * KiB, -1, **kw)
                     os.close(open_direct(path))
                     with pytest.raises(FileNotFoundError):
                         open_direct(tmp_dir / "missing")
         finally:
             os.close(fd)
-    assert ctx.closed
+        assert q.inflight == 0
+    assert q.closed
     gc.collect()
     assert _open_fds() == fds
     assert _aio_rings() == rings
@@ -787,7 +855,7 @@ def test_no_leaks_after_10000_operations(tmp_dir, align):
 
 
 @pytest.mark.slow
-def test_no_leaks_after_many_contexts():
+def test_no_leaks_after_many_queues():
     gc.collect()
     fds, rings, nr = _open_fds(), _aio_rings(), _aio_nr()
     errors = []
@@ -796,14 +864,14 @@ def test_no_leaks_after_many_contexts():
         try:
             for i in range(n):
                 if i % 2:
-                    AioContext(32).close()               # created and closed
+                    AioQueue(32).close()                 # created and closed
                 else:
-                    AioContext(32)                       # dropped without close
+                    AioQueue(32)                         # dropped without close
         except BaseException as exc:                     # pragma: no cover - reported below
             errors.append(exc)
 
     # io_destroy waits for an RCU grace period (~tens of ms), with the GIL released:
-    # threads overlap those waits; 2,000 contexts in all
+    # threads overlap those waits; 2,000 queues in all
     threads = [threading.Thread(target=churn, args=(125,)) for _ in range(16)]
     for t in threads:
         t.start()
@@ -811,7 +879,7 @@ def test_no_leaks_after_many_contexts():
         t.join()
     assert not errors, errors
     for _ in range(20):                                  # in reference cycles: freed by gc
-        cycle = [AioContext(8)]
+        cycle = [AioQueue(8)]
         cycle.append(cycle)
         del cycle
     gc.collect()
@@ -820,148 +888,103 @@ def test_no_leaks_after_many_contexts():
     assert _aio_nr_back_to(nr) <= nr
 
 
-def test_close_twice_and_closed_context(tmp_dir):
+def test_close_twice_and_closed_queue(tmp_dir):
     path = tmp_dir / "f.bin"
     data = os.urandom(8192)
     _ref_write(path, data)
-    ctx = AioContext(4)
-    assert not ctx.closed and ctx.depth == 4 and "depth=4" in repr(ctx)
-    ctx.close()
-    ctx.close()
-    assert ctx.closed and "closed" in repr(ctx)
-    with AioContext(2) as c2:
-        pass
-    c2.close()
-    assert c2.closed
-    buf = bytearray(4096)
+    q = AioQueue(4)
+    assert not q.closed and q.depth == 4 and "depth=4" in repr(q)
+    q.close()
+    q.close()
+    assert q.closed and "closed" in repr(q)
+    mem = _mem(8192)
+    _fill(mem)
     fd = os.open(path, os.O_RDWR)
     try:
-        for call in (lambda: ctx.pread(fd, buf), lambda: ctx.pwrite(fd, b"y" * 4096),
-                     lambda: ctx.preadv(fd, [(1, 1, 0)]),
-                     lambda: ctx.pwritev(fd, [(1, 1, 0)]),
-                     lambda: ctx.__enter__()):
+        for call in (lambda: _io(q, fd, False, mem.address, 4096, mode=MODE_PLAIN),
+                     lambda: _io(q, fd, True, mem.address, 4096, mode=MODE_PLAIN),
+                     lambda: _io(q, fd, True, mem.address, 4096, mode=MODE_PLAIN,
+                                 route="run"),
+                     lambda: q.attach_ring(mem, mem.address, 4096, 2)):
             with pytest.raises(HandleClosedError):
                 call()
     finally:
         os.close(fd)
-    assert buf == bytearray(4096) and _file_bytes(path) == data
+    assert q.serve() is None                     # a completion thread ends at once
+    q.hurry(1)
+    q.shutdown()
+    assert memoryview(mem).tobytes() == b"\xa5" * 8192 and _file_bytes(path) == data
     assert issubclass(HandleClosedError, ValueError)
 
 
 def test_bad_depth():
     for depth in (0, -1, _aio.MAX_DEPTH + 1):
         with pytest.raises(ValueError):
-            AioContext(depth)
-
-
-def test_busy_context_refuses_close_and_second_transfer(tmp_dir):
-    # an AIO read of a pipe blocks inside io_submit until data arrives: a transfer that is
-    # in flight for as long as the test wants
-    r, w = os.pipe()
-    ctx = AioContext(4)
-    result = []
-
-    def reader():
-        while True:                           # the main thread may hold the context briefly
-            try:
-                result.append(ctx.pread(r, bytearray(10), block_size=10))
-                return
-            except RuntimeError:
-                time.sleep(0.001)
-
-    t = threading.Thread(target=reader)
-    try:
-        path = tmp_dir / "f.bin"
-        _ref_write(path, os.urandom(4096))
-        fd = os.open(path, os.O_RDONLY)
-        t.start()
-        deadline = time.monotonic() + 10
-        try:
-            while True:                       # wait until the thread holds the context
-                try:
-                    ctx.pread(fd, bytearray(4096))
-                except RuntimeError as exc:
-                    assert "another transfer" in str(exc)
-                    break
-                assert time.monotonic() < deadline, "the thread never started its read"
-                time.sleep(0.01)
-            with pytest.raises(RuntimeError, match="while a transfer is running"):
-                ctx.close()
-            assert not ctx.closed
-        finally:
-            os.close(fd)
-        os.write(w, b"0123456789")
-        t.join(10)
-        assert result == [10]
-    finally:
-        os.close(r)
-        os.close(w)
-        ctx.close()
+            AioQueue(depth)
 
 
 # --------------------------------------------------------------------------- bad input
 
-def _strided(mem):
-    return np.zeros(len(mem), np.uint8)[::2]
+def _ring(q: AioQueue, bufsize: int = 16 * KiB, nbuf: int = 2) -> LockedMemory:
+    ring = _mem(bufsize * nbuf)
+    q.attach_ring(ring, ring.address, bufsize, nbuf)
+    return ring
 
 
-# (id, exception, call(ctx, fd, mem)); mem is 16 KiB of aligned memory, fd an O_DIRECT file
+# (id, exception, call(queue, fd, mem)); mem is 16 KiB of aligned memory, fd an O_DIRECT
+# file; a fresh queue of depth 8 without a ring
 BAD_INPUTS = [
-    ("read-negative-offset", ValueError, lambda c, fd, m: c.pread(fd, m, -4096)),
-    ("write-negative-offset", ValueError, lambda c, fd, m: c.pwrite(fd, m, -4096)),
-    ("read-negative-nbytes", ValueError, lambda c, fd, m: c.pread(fd, m, 0, -1)),
-    ("write-negative-nbytes", ValueError, lambda c, fd, m: c.pwrite(fd, m, 0, -4096)),
-    ("addr-negative-nbytes", ValueError, lambda c, fd, m: c.pread(fd, m.address, 0, -4096)),
-    ("addr-without-nbytes", TypeError, lambda c, fd, m: c.pread(fd, m.address)),
-    ("addr-zero", ValueError, lambda c, fd, m: c.pwrite(fd, 0, 0, 4096)),
-    ("read-into-bytes", BufferError, lambda c, fd, m: c.pread(fd, bytes(len(m)))),
-    ("read-into-readonly-view", BufferError,
-     lambda c, fd, m: c.pread(fd, memoryview(bytearray(len(m))).toreadonly())),
-    ("read-into-strided-view", BufferError,
-     lambda c, fd, m: c.pread(fd, memoryview(bytearray(2 * len(m)))[::2])),
-    ("write-strided-view", BufferError,
-     lambda c, fd, m: c.pwrite(fd, memoryview(bytearray(2 * len(m)))[::2])),
-    ("read-into-noncontiguous-numpy", BufferError, lambda c, fd, m: c.pread(fd, _strided(m))),
-    ("write-noncontiguous-numpy", BufferError, lambda c, fd, m: c.pwrite(fd, _strided(m))),
-    ("read-into-readonly-numpy", BufferError,
-     lambda c, fd, m: c.pread(fd, np.frombuffer(bytes(len(m)), np.uint8))),
-    ("read-nbytes-over-buffer", ValueError, lambda c, fd, m: c.pread(fd, m, 0, len(m) + 4096)),
-    ("write-nbytes-over-buffer", ValueError,
-     lambda c, fd, m: c.pwrite(fd, m, 0, len(m) + 4096)),
-    ("queue-depth-over-depth", ValueError, lambda c, fd, m: c.pwrite(fd, m, queue_depth=9)),
-    ("queue-depth-zero", ValueError, lambda c, fd, m: c.pread(fd, m, queue_depth=0)),
-    ("block-size-zero", ValueError, lambda c, fd, m: c.pwrite(fd, m, block_size=0)),
-    ("block-size-negative", ValueError, lambda c, fd, m: c.pread(fd, m, block_size=-4096)),
-    ("negative-fd", ValueError, lambda c, fd, m: c.pwrite(-1, m)),
-    # vectored: a bad segment after a good one: nothing at all is submitted
-    ("readv-negative-offset", ValueError,
-     lambda c, fd, m: c.preadv(fd, [(m.address, 4096, 0), (m.address + 4096, 4096, -4096)])),
-    ("writev-negative-nbytes", ValueError,
-     lambda c, fd, m: c.pwritev(fd, [(m.address, 4096, 0), (m.address, -4096, 4096)])),
-    ("writev-address-zero", ValueError,
-     lambda c, fd, m: c.pwritev(fd, [(m.address, 4096, 0), (0, 4096, 4096)])),
-    ("writev-not-triples", ValueError,
-     lambda c, fd, m: c.pwritev(fd, [(m.address, 4096, 0), (m.address, 4096)])),
+    ("bad-mode", ValueError,
+     lambda q, fd, m: q.submit(fd, False, m.address, 4096, 0, 7, 4096, 4096)),
+    ("negative-offset", ValueError,
+     lambda q, fd, m: q.submit(fd, True, m.address, 4096, -4096, MODE_DIRECT, 4096, 4096)),
+    ("negative-nbytes", OverflowError,
+     lambda q, fd, m: q.submit(fd, False, m.address, -1, 0, MODE_DIRECT, 4096, 4096)),
+    ("align-zero", ValueError,
+     lambda q, fd, m: q.submit(fd, False, m.address, 4096, 0, MODE_DIRECT, 0, 4096)),
+    ("block-under-align", ValueError,
+     lambda q, fd, m: q.submit(fd, False, m.address, 4096, 0, MODE_DIRECT, 4096, 2048)),
+    ("block-not-multiple", ValueError,
+     lambda q, fd, m: q.submit(fd, True, m.address, 8192, 0, MODE_DIRECT, 4096, 6144)),
+    ("run-block-zero", ValueError,
+     lambda q, fd, m: q.run(fd, False, m.address, 4096, 0, MODE_DIRECT, 4096, 0)),
+    ("edges-without-ring", RuntimeError,
+     lambda q, fd, m: q.submit(fd, False, m.address, 100, 0, MODE_DIRECT, 4096, 4096)),
+    ("bounce-without-ring", RuntimeError,
+     lambda q, fd, m: q.submit(fd, True, m.address, 4096, 0, MODE_BOUNCE, 4096, 4096)),
+    ("unaligned-write-without-filestate", ValueError,
+     lambda q, fd, m: (_ring(q), q.submit(fd, True, m.address, 100, 4000, MODE_DIRECT, 4096,
+                                          4096))),
+    ("ring-under-align", ValueError,
+     lambda q, fd, m: (_ring(q, 1024), q.submit(fd, False, m.address, 100, 0, MODE_DIRECT,
+                                                4096, 4096))),
+    ("ring-bufsize-zero", ValueError, lambda q, fd, m: q.attach_ring(m, m.address, 0, 2)),
+    ("ring-nbuf-zero", ValueError, lambda q, fd, m: q.attach_ring(m, m.address, 4096, 0)),
+    ("ring-bufsize-odd", ValueError, lambda q, fd, m: q.attach_ring(m, m.address, 4000, 2)),
+    ("ring-address-odd", ValueError,
+     lambda q, fd, m: q.attach_ring(m, m.address + 8, 4096, 2)),
+    ("ring-twice", RuntimeError, lambda q, fd, m: (_ring(q), _ring(q))),
 ]
 
 
 @pytest.mark.parametrize("exc_type,call", [
-    pytest.param(exc, call, id=name, marks=[])
-    for name, exc, call in BAD_INPUTS])
+    pytest.param(exc, call, id=name) for name, exc, call in BAD_INPUTS])
 def test_bad_input_raises_before_any_io(tmp_dir, exc_type, call):
     path = tmp_dir / "f.bin"
     data = os.urandom(64 * KiB)
     _ref_write(path, data)
     mem = _mem(16 * KiB)
     _fill(mem)
+    align = max(dio_alignment(path))
     fd = open_direct(path, write=True)
     try:
-        with AioContext(8) as ctx:
+        with _queue(8) as q:
             with pytest.raises(exc_type):
-                call(ctx, fd, mem)
+                call(q, fd, mem)
+            assert q.inflight == 0
             assert memoryview(mem).tobytes() == b"\xa5" * len(mem)     # nothing read
             assert _file_bytes(path) == data                          # nothing written
-            assert ctx.pread(fd, mem) == len(mem)                     # still usable
+            _ok(_io(q, fd, False, mem.address, len(mem), align=align), len(mem))  # usable
     finally:
         os.close(fd)
 

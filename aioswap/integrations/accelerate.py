@@ -52,6 +52,8 @@ import numpy as np
 import torch
 
 from aioswap import pinned
+from aioswap._aio import DEFAULT_ALIGNMENT as _ALIGN
+from aioswap._util import first_error
 from aioswap.errors import AioswapError, AioswapWarning
 from aioswap.handle import AioFile, AioHandle, IOFuture
 from aioswap.safetensors import Header, SafetensorsError, read_header
@@ -72,7 +74,6 @@ PathLike = Union[str, "os.PathLike[str]"]
 _NAME = "OffloadedWeightsLoader"
 # Modules of accelerate 1.x that bind the loader's name (big_modeling builds it by that name).
 _EXPECTED = ("accelerate.utils.offload", "accelerate.utils", "accelerate.big_modeling")
-_ALIGN = 4096                 # O_DIRECT offsets and buffer positions
 _MERGE_GAP = 64 << 10         # neighbouring tensors of a file this close share one request
 _BATCH_BYTES = 16 << 20       # default: a batch grows by following groups up to this
 _LIVE_BATCHES = 3             # batches kept readable (being used, prefetched, one more)
@@ -510,11 +511,7 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
     def _finish(self, batch: _Batch) -> None:
         if batch.done:
             return
-        first: BaseException | None = None
-        for f in batch.futures:
-            exc = f.exception()                  # waits (hurried); every one, then raise
-            if exc is not None and first is None:
-                first = exc
+        first = first_error(batch.futures)     # waits (hurried); every one, then raise
         if first is not None:
             for k in batch.places:
                 if self._ready.get(k) is batch:

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aioswap import _scratch
+from aioswap._aio import DEFAULT_ALIGNMENT
 from aioswap._units import format_size, short_size
 from aioswap.errors import TuneError
 from aioswap.tune.points import Direction, Measured, SweepPoint, check_direction, wanted
@@ -100,7 +101,7 @@ def scratch_files(dirs: Sequence[str], stem: str) -> Iterator[list[str]]:
 
 def split(io_size: int, n: int) -> list[int]:
     """Split ``io_size`` into ``n`` parts, each a multiple of 4096 (the O_DIRECT unit)."""
-    unit = 4096
+    unit = DEFAULT_ALIGNMENT
     blocks = max(n, -(-io_size // unit))
     base, extra = divmod(blocks, n)
     return [(base + (1 if i < extra else 0)) * unit for i in range(n)]
@@ -190,7 +191,8 @@ def check_environment(io_size: int, *, use_gds: bool = False) -> None:
     need = io_size + (1 << 20)      # the buffers, and room for the handle's own locked ring
     if soft != resource.RLIM_INFINITY and soft < need and not cap_ipc_lock():
         fits = soft - (1 << 20)
-        smaller = f", or use --io-size {short_size(fits)} or less" if fits >= 4096 else ""
+        smaller = (f", or use --io-size {short_size(fits)} or less"
+                   if fits >= DEFAULT_ALIGNMENT else "")
         raise TuneError(f"tune needs {format_size(need)} of page-locked memory "
                         f"({format_size(io_size)} of buffers, pinned for O_DIRECT, plus 1 MiB), "
                         f"{format_size(need - soft)} more than RLIMIT_MEMLOCK allows "

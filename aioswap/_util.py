@@ -1,0 +1,61 @@
+"""Helpers more than one module needs, each kept once: tensor bytes, directory fsync, futures.
+
+The alignment and depth constants live with the engine (``aioswap._aio.DEFAULT_ALIGNMENT``,
+``aioswap._aio.MAX_DEPTH``). torch is imported only by :func:`flat_bytes`, when it is called.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["first_error", "flat_bytes", "fsync_dir", "wait_all"]
+
+
+def flat_bytes(t: Any) -> Any:
+    """The elements of tensor ``t`` in row-major order as a flat uint8 tensor on its device.
+
+    A view of ``t``'s memory when ``t`` is contiguous with no conjugate or negative bit (so
+    reads may land in it); otherwise a copy, which only a writer may use.
+    """
+    import torch
+
+    d = t.detach().resolve_conj().resolve_neg()     # the values it shows, as stored
+    if not d.is_contiguous():
+        d = d.contiguous()
+    # as_strided, not reshape: a 1-element tensor may be "contiguous" with any stride
+    return d.as_strided((d.numel(),), (1,)).view(torch.uint8)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync directory ``path``: a file created or renamed in it survives a crash."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def first_error(futures: Iterable[concurrent.futures.Future[Any]]) -> BaseException | None:
+    """Wait for every future; return the first error in their order, or None.
+
+    Waits with ``exception()``, one future after the other, so an :class:`~aioswap.IOFuture`
+    hurries its queue meanwhile. A cancelled future's error is ``CancelledError``.
+    """
+    first: BaseException | None = None
+    for f in futures:
+        try:
+            exc = f.exception()
+        except concurrent.futures.CancelledError as cancelled:
+            exc = cancelled
+        if exc is not None and first is None:
+            first = exc
+    return first
+
+
+def wait_all(futures: Iterable[concurrent.futures.Future[Any]]) -> None:
+    """Wait for every future, then raise the first error in their order (drain before release)."""
+    exc = first_error(futures)
+    if exc is not None:
+        raise exc
