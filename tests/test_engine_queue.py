@@ -658,11 +658,12 @@ def test_auto_backend_falls_back_to_threads_when_io_setup_is_refused(
         from aioswap import _aio
         warnings.simplefilter("error")
         taken = []
-        try:
-            while True:
-                taken.append(_aio.AioQueue(4096, backend="aio"))
-        except OSError as e:
-            assert e.errno == 11, e
+        for depth in (4096, 256, 16, 1):     # every event of fs.aio-max-nr, to the last one
+            try:
+                while True:
+                    taken.append(_aio.AioQueue(depth, backend="aio"))
+            except OSError as e:
+                assert e.errno == 11, e
         try:
             aioswap.AioHandle(backend="aio")
         except OSError as e:
@@ -675,8 +676,9 @@ def test_auto_backend_falls_back_to_threads_when_io_setup_is_refused(
             out = {str(tmp_path / 'o.bin')!r}
             h.pwrite(t[5:], out, 4095, async_op=True).result()
             assert h.wait() == 1
-            assert open(out, "rb").read()[4095:] == bytes(t[5:].numpy())
-            assert bytes(t.numpy()) == open({str(p)!r}, "rb").read()
+            with open(out, "rb") as fo, open({str(p)!r}, "rb") as fi:
+                assert fo.read()[4095:] == bytes(t[5:].numpy())
+                assert bytes(t.numpy()) == fi.read()
         for q in taken:
             q.close()
         print("OK")
