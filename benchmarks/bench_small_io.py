@@ -9,6 +9,8 @@ median of the rounds is shown with its spread):
 * ``os``: ``os.preadv``/``os.pwritev`` on the same O_DIRECT fd
 * ``fio qd1``: fio's libaio engine, iodepth 1
 * ``async x32``: 32 ``f.pread(..., async_op=True)`` in flight, then ``h.wait()``
+* ``async fd x32`` / ``async path x32``: the same through an fd / a path argument
+* ``window x32``: a sliding window of futures (wait for the oldest, submit the next)
 * ``batch x32``: ``h.pread_many`` of 32 requests (no futures)
 * ``fio qd32``: fio libaio, iodepth 32
 
@@ -88,8 +90,7 @@ def run_small(h: aioswap.AioHandle, path: str, fd: int, bs: int, ops: int, qd: i
     mv = memoryview(buf.numpy())
     mvs = [mv[i * bs:(i + 1) * bs] for i in range(qd)]
     res: dict[str, list[float]] = {k: [] for k in
-                                   ("sync file", "sync fd", "os", "fio qd1", "async x32",
-                                    "batch x32", "fio qd32")}
+                                   METHODS}
     f = h.open(path, "r+")
     call = f.pwrite if write else f.pread
     hcall = h.pwrite if write else h.pread
@@ -118,12 +119,30 @@ def run_small(h: aioswap.AioHandle, path: str, fd: int, bs: int, ops: int, qd: i
                 call(views[i], off, async_op=True)
             h.wait()
 
+    def async32_on(route: int | str) -> object:
+        def run(offs: list[int]) -> None:
+            for start in range(0, len(offs), qd):
+                for i, off in enumerate(offs[start:start + qd]):
+                    hcall(views[i], route, off, async_op=True)
+                h.wait()
+        return run
+
+    def window32(offs: list[int]) -> None:
+        futs: list[object] = []
+        for i, off in enumerate(offs):
+            if len(futs) == qd:
+                futs.pop(0).result()                    # type: ignore[attr-defined]
+            futs.append(call(views[i % qd], off, async_op=True))
+        for fu in futs:
+            fu.result()                                 # type: ignore[attr-defined]
+
     def batch32(offs: list[int]) -> None:
         for start in range(0, len(offs), qd):
             many([(views[i], f, off) for i, off in enumerate(offs[start:start + qd])])
 
     methods = {"sync file": sync_file, "sync fd": sync_fd, "os": plain, "async x32": async32,
-               "batch x32": batch32, "fio qd1": None, "fio qd32": None}
+               "async fd x32": async32_on(fd), "async path x32": async32_on(path),
+               "window x32": window32, "batch x32": batch32, "fio qd1": None, "fio qd32": None}
     names = list(methods)
     try:
         for r in range(rounds):
@@ -147,6 +166,14 @@ def run_small(h: aioswap.AioHandle, path: str, fd: int, bs: int, ops: int, qd: i
     finally:
         f.close()
     return res
+
+
+METHODS = ("sync file", "sync fd", "os", "fio qd1", "async x32", "async fd x32",
+           "async path x32", "window x32", "batch x32", "fio qd32")
+# what each method is compared with
+VERSUS = {"sync file": "os", "sync fd": "os", "async x32": "fio qd32",
+          "async fd x32": "fio qd32", "async path x32": "fio qd32", "window x32": "async x32",
+          "batch x32": "fio qd32"}
 
 
 def fmt(vals: list[float]) -> str:
@@ -224,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--large", type=size, default=size("32M"),
                     help="size of the large-transfer test (default 32M; real: 1G; 0 skips)")
     ap.add_argument("--no-write", action="store_true", help="reads only")
+    ap.add_argument("--json", action="store_true",
+                    help="print one JSON object (median IOPS and ratios) instead of tables")
     a = ap.parse_args(argv)
     if shutil.which("fio") is None:
         print("fio is not installed: its columns are skipped", file=sys.stderr)
@@ -239,27 +268,37 @@ def main(argv: list[str] | None = None) -> int:
             del fill
             fd = os.open(path, os.O_RDWR | os.O_DIRECT)
             try:
-                print(f"Random O_DIRECT requests on a {human(a.file_size)} file in {a.dir}, "
-                      f"{a.ops} per measurement, {a.repeat} round(s). IOPS: median ±half the "
-                      f"spread; ratio = aioswap / other (bigger is better)")
-                print(f"{'op':<6}{'size':>6}{'sync file':>16}{'sync fd':>16}{'os':>16}"
-                      f"{'fio qd1':>16}{'async x32':>16}{'batch x32':>16}{'fio qd32':>16}"
-                      f"{'file/os':>9}{'fd/os':>7}{'x32/fio32':>11}{'batch/fio32':>12}")
+                backend = getattr(h, "backend", "aio")      # (older versions: kernel AIO)
+                if not a.json:
+                    print(f"Random O_DIRECT requests on a {human(a.file_size)} file in {a.dir}"
+                          f", {a.ops} per measurement, {a.repeat} round(s), backend "
+                          f"{backend}. IOPS: median ±half the spread; ratio = aioswap / "
+                          f"the method named (bigger is better)")
+                out: dict[str, object] = {"file_size": a.file_size, "ops": a.ops,
+                                          "rounds": a.repeat, "backend": backend,
+                                          "results": []}
                 for op in ("read",) if a.no_write else ("read", "write"):
                     for bs in (size(s) for s in a.sizes.split(",")):
                         r = run_small(h, path, fd, bs, a.ops, a.qd, a.file_size,
                                       op == "write", a.repeat)
-                        print(f"{op:<6}{human(bs):>6}" + "".join(
-                            f"{fmt(r[k]):>16}" for k in ("sync file", "sync fd", "os",
-                                                         "fio qd1", "async x32", "batch x32",
-                                                         "fio qd32"))
-                              + f"{ratio(r['sync file'], r['os']):>9}"
-                              f"{ratio(r['sync fd'], r['os']):>7}"
-                              f"{ratio(r['async x32'], r['fio qd32']):>11}"
-                              f"{ratio(r['batch x32'], r['fio qd32']):>12}", flush=True)
+                        row = {"op": op, "size": bs,
+                               "iops": {k: statistics.median(v) for k, v in r.items() if v},
+                               "ratios": {f"{k} / {v}": statistics.median(r[k])
+                                          / statistics.median(r[v])
+                                          for k, v in VERSUS.items() if r[k] and r[v]}}
+                        out["results"].append(row)      # type: ignore[attr-defined]
+                        if a.json:
+                            continue
+                        print(f"\n{op} {human(bs)}")
+                        for k in METHODS:
+                            vs = VERSUS.get(k)
+                            rel = f"{ratio(r[k], r[vs]):>7} vs {vs}" if vs else ""
+                            print(f"  {k:<16}{fmt(r[k]):>18}  {rel}", flush=True)
+                if a.json:
+                    print(json.dumps(out))
             finally:
                 os.close(fd)
-            if a.large:
+            if a.large and not a.json:
                 run_large(h, a.dir, a.large, a.repeat)
     finally:
         os.unlink(path)
