@@ -14,7 +14,7 @@ Each round runs, in turn:
 * **safetensors**: ``safetensors.torch.save_file`` followed by an fsync of the file, and
   ``safetensors.torch.load_file`` (mmap);
 * **direct**: the same number of bytes written and read as ONE transfer of one page-locked
-  buffer with ``AioHandle.pwrite(fsync=True)`` / ``pread``: the ceiling of this disk.
+  buffer with ``AioHandle.pwrite(fsync=True)`` / ``pread``: a reference for this disk.
 
 Loads read the same file (written by safetensors). Before every load the file's page cache is
 dropped (``posix_fadvise(DONTNEED)``, or also ``/proc/sys/vm/drop_caches`` with

@@ -14,7 +14,7 @@ Offload + onload of the whole state (the state in page-locked memory, restored i
   back through the buffer;
 * torch: ``torch.save`` + fsync / ``torch.load`` per bucket, copied into the state;
 * direct: the same bytes as one page-locked buffer, ``AioHandle.pwrite(fsync=True)`` /
-  ``pread`` (the ceiling of this disk and handle).
+  ``pread`` (a reference: what one large transfer of the same bytes takes).
 
 One optimizer step over the buckets on NVMe (read, update, write back each bucket):
 
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                   r["offload_onload_vs_sync_staging"]],
                  ["torch.save/torch.load per bucket", g["torch_offload"], g["torch_onload"],
                   oo["torch"], r["offload_onload_vs_torch"]],
-                 ["direct: 1 transfer, locked (ceiling)", g["direct_offload"],
+                 ["direct: 1 transfer, locked (reference)", g["direct_offload"],
                   g["direct_onload"], oo["direct"], r["offload_onload_vs_direct"]]],
                 title=[title])
     print()
