@@ -222,14 +222,18 @@ def test_swapper_and_safetensors_leave_nothing_behind(tmp_path: Path) -> None:
             assert torch.equal(sw.swap_in("one"), sd["a"])
             ast.save_file(sd, st_path)
             assert torch.equal(ast.load_file(st_path)["a"], sd["a"])
+        def futures() -> int:
+            return sum(type(o) is aioswap.IOFuture for o in gc.get_objects())
+
         for i in range(30):
             cycle(i)
         gc.collect()
-        before = _resources()
+        before, nfut = _resources(), futures()
         for i in range(1000):
             cycle(i)
         gc.collect()
         after = _resources()
+        assert futures() <= nfut            # no finished request is kept by a handle
     _flat(before, after, rss_slack_kb=24 << 10)
 
 
