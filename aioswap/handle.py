@@ -487,6 +487,7 @@ class AioHandle:
         # recently used first (see _cached)
         self._files: collections.OrderedDict[tuple[int, int], AioFile] = \
             collections.OrderedDict()
+        self._opens = 0
         try:
             for i in range(cfg.intra_op_parallelism):
                 self._lanes.append(_Lane(cfg, bounce_bytes, i, backend))
@@ -1244,9 +1245,12 @@ class AioHandle:
             f = _files.open_path(self, file, "a+" if write else "r",
                                  on_buffered=self._buffered_warn,
                                  direct=not self._buffered_only)
-        # files deleted or replaced since (unlinked) are let go, so their space is freed
+        # files deleted or replaced since (unlinked) are let go, so their space is freed: looked
+        # for at every 8th open (an fstat per kept file), so a working set of more files than
+        # are kept does not pay that scan per request
         with self._lock:
-            kept = list(files.values())
+            self._opens += 1
+            kept = list(files.values()) if self._opens % 8 == 0 or len(files) <= 8 else []
         gone = set()
         for k in kept:
             try:

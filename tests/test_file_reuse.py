@@ -106,8 +106,8 @@ def test_caller_fd_rules_still_hold(tmp_path: Path) -> None:
 
 
 def test_deleted_files_are_let_go(tmp_path: Path) -> None:
-    """A deleted file's descriptor goes at the next file the handle opens (its space is
-    freed), and the number of descriptors a handle keeps is bounded."""
+    """A deleted file's descriptor goes within the next 8 files the handle opens (its space
+    is freed), and the number of descriptors a handle keeps is bounded."""
     with aioswap.AioHandle() as h:
         t = torch.ones(4 * KiB, dtype=torch.uint8)
         h.pwrite(t, tmp_path / "w0.bin")
@@ -115,7 +115,7 @@ def test_deleted_files_are_let_go(tmp_path: Path) -> None:
         for i in range(1, 200):
             h.pwrite(t, tmp_path / f"w{i}.bin")
             os.unlink(tmp_path / f"w{i - 1}.bin")
-        assert _fds() <= base + 2
+        assert _fds() <= base + 9
         for i in range(200):
             h.pwrite(t, tmp_path / f"k{i}.bin")
         assert _fds() <= base + 70                    # at most 64 kept
