@@ -420,6 +420,16 @@ from posix.unistd cimport ftruncate, getpid, pread, pwrite
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from posix.uio cimport iovec
 
+
+def fsize(int fd):
+    """``fstat(fd).st_size`` without building a ``stat_result`` (a read asks it each time)."""
+    cdef struct_stat st
+    cdef int ret = fstat(fd, &st)       # the GIL stays: an inode's attributes, no I/O
+    if ret < 0:
+        raise OSError(errno, os.strerror(errno))
+    return st.st_size
+
+
 cdef enum:
     K_DIRECT = 0
     K_BREAD = 1

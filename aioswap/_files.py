@@ -147,7 +147,7 @@ class AioFile:
 
     def size(self) -> int:
         """The file's size now (``fstat``; block devices: the device size)."""
-        return file_size(self._fd) if self.block_device else os.fstat(self._fd).st_size
+        return file_size(self._fd) if self.block_device else _aio.fsize(self._fd)
 
     def use(self) -> int:
         """Count a request on the file; its fd."""
