@@ -10,7 +10,12 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["first_error", "flat_bytes", "fsync_dir", "wait_all"]
+__all__ = ["first_error", "flat_bytes", "fsync_dir", "round_up", "wait_all"]
+
+
+def round_up(n: int, align: int) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
+    return -(-n // align) * align
 
 
 def flat_bytes(t: Any) -> Any:

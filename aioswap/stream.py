@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
 from aioswap import pinned
+from aioswap._util import round_up
 from aioswap.errors import SwapError
 from aioswap.swap import PACK_ALIGN, TensorSwapper
 
@@ -70,10 +71,6 @@ def _add_note(exc: BaseException, note: str) -> None:
     add = getattr(exc, "add_note", None)     # Python >= 3.11
     if add is not None:
         add(note)
-
-
-def _round_up(n: int) -> int:
-    return -(-n // PACK_ALIGN) * PACK_ALIGN
 
 
 def _prefix(tag: str) -> str:
@@ -357,7 +354,7 @@ class Stream:
                 shapes.append(info.shape)
                 offsets.append(pos)
                 sizes.append(info.nbytes)
-                pos += _round_up(info.nbytes)
+                pos += round_up(info.nbytes, PACK_ALIGN)
             layouts.append(_Layout(tag, tuple(keys), tuple(dtypes), tuple(shapes),
                                    tuple(offsets), tuple(sizes), pos))
         self._layouts = layouts

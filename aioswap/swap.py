@@ -112,7 +112,7 @@ from aioswap._aio import DEFAULT_ALIGNMENT
 from aioswap._claims import NameClaims, Released, Releases, guard, storage_key, unguard
 from aioswap._manifest import (LOCK_NAME, MANIFEST_NAME, Change, Entry, Manifest,
                                SwapDirectory, Tree)
-from aioswap._util import wait_all
+from aioswap._util import round_up, wait_all
 from aioswap.config import AioConfig
 from aioswap.errors import ChecksumError, HandleClosedError, SwapError
 from aioswap.handle import AioHandle
@@ -173,8 +173,8 @@ def _dtype_from_name(name: str) -> torch.dtype:
     return dt
 
 
-def _round_up(n: int, a: int = PACK_ALIGN) -> int:
-    return -(-n // a) * a
+def _round_up(n: int) -> int:
+    return round_up(n, PACK_ALIGN)
 
 
 def _extent(t: torch.Tensor) -> int:

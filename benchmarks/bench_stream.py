@@ -306,21 +306,14 @@ def main(argv: list[str] | None = None) -> int:
                 assert fingerprint(state) == ref, "aioswap: different bytes came back"
                 sw.remove_many(sw.names("all/"))
 
-                add("sync_offload", timed(lambda: [sync.write(i, b)
-                                                   for i, b in enumerate(state)]))
-                drop([sync.path(i) for i in range(a.buckets)])
-                zero()
-                add("sync_onload", timed(lambda: [sync.read(i, b)
-                                                  for i, b in enumerate(state)]))
-                assert fingerprint(state) == ref, "sync staging: different bytes came back"
-
-                add("torch_offload", timed(lambda: [tf.write(i, b)
-                                                    for i, b in enumerate(state)]))
-                drop([tf.path(i) for i in range(a.buckets)])
-                zero()
-                add("torch_onload", timed(lambda: [tf.read(i, b)
-                                                   for i, b in enumerate(state)]))
-                assert fingerprint(state) == ref, "torch: different bytes came back"
+                for key, base in (("sync", sync), ("torch", tf)):
+                    add(f"{key}_offload", timed(lambda: [base.write(i, b)
+                                                         for i, b in enumerate(state)]))
+                    drop([base.path(i) for i in range(a.buckets)])
+                    zero()
+                    add(f"{key}_onload", timed(lambda: [base.read(i, b)
+                                                        for i, b in enumerate(state)]))
+                    assert fingerprint(state) == ref, f"{key}: different bytes came back"
 
                 direct = os.path.join(work, "direct.bin")
                 add("direct_offload", timed(lambda: h.pwrite(one, direct, fsync=True)))

@@ -53,7 +53,7 @@ import torch
 
 from aioswap import pinned
 from aioswap._aio import DEFAULT_ALIGNMENT as _ALIGN
-from aioswap._util import first_error
+from aioswap._util import first_error, round_up
 from aioswap.errors import AioswapError, AioswapWarning
 from aioswap.handle import AioFile, AioHandle, IOFuture
 from aioswap.safetensors import Header, SafetensorsError, read_header
@@ -467,9 +467,9 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         layout = []
         for path, start, end, ks in extents:
             f = self._res.open(path, self.stats)
-            n = min(-(-end // _ALIGN) * _ALIGN, self._res.sizes[path]) - start
+            n = min(round_up(end, _ALIGN), self._res.sizes[path]) - start
             layout.append((f, start, n, total, ks))
-            total += -(-n // _ALIGN) * _ALIGN
+            total += round_up(n, _ALIGN)
         buf = memoryview(pinned.allocate(total, strict=False)) if total else None
         places: dict[str, tuple[_Entry, int]] = {
             k: (e, 0) for k, e in entries.items() if not e.nbytes}
