@@ -1,15 +1,22 @@
 # cython: language_level=3, embedsignature=True
-"""Kernel AIO engine: the only caller of io_setup/io_submit/io_getevents/io_destroy.
+"""The engine: the only caller of the kernel's asynchronous I/O interfaces.
 
-The system calls are made through ``syscall(2)`` with the structs of ``<linux/aio_abi.h>``, so
-neither libaio nor libaio-dev is needed to build or run. An :class:`AioQueue` owns one kernel
-AIO context shared by every request of a handle lane: it cuts requests into pieces, keeps at
-most ``depth`` of them in flight, and submits and reaps with the GIL released. Also here:
-``open_direct``, ``dio_alignment``, ``aio_available`` and :class:`LockedMemory`. Nothing here
-knows about torch: requests carry raw addresses whose owners the caller keeps alive.
+An :class:`AioQueue` is shared by every request of a handle lane: it cuts requests into
+pieces, keeps at most ``depth`` of them in flight, and submits and reaps with the GIL
+released. It reaches the kernel only through a small backend seam (``_k_submit``,
+``_k_getevents``, ``_k_destroy``, ``_k_forget``) over iocb-shaped pieces, behind which sit
+three backends: io_uring (``_uring.h``: raw ``io_uring_setup``/``io_uring_enter``/
+``io_uring_register`` and mmap'd rings), kernel AIO (``io_setup``/``io_submit``/
+``io_getevents`` with the structs of ``<linux/aio_abi.h>``) and positional I/O on worker
+threads (``_kthreads.h``). All system calls go through ``syscall(2)``: neither liburing nor
+libaio(-dev) is needed to build or run. A request is one :class:`Request` object from
+submission to its result. Also here: ``open_direct``, ``dio_alignment``, ``aio_available``
+and :class:`LockedMemory`. Nothing here knows about torch: requests carry raw addresses
+whose owners the queue keeps alive (``owner``) until the request is finished and seen.
 """
 cimport aioswap._aio_abi as abi
 cimport aioswap._kthreads as kt
+cimport aioswap._uring as ur
 cimport aioswap._pthread as pt
 from aioswap._pthread cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES
@@ -19,9 +26,10 @@ from libc.errno cimport EAGAIN, EFAULT, EINTR, EINVAL, EIO, EISDIR, ENOSYS, EPER
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memset
 
+import logging
 import os
 
-from aioswap.errors import DirectIOUnsupportedError, HandleClosedError
+from aioswap.errors import DirectIOUnsupportedError, HandleClosedError, ShortReadError
 
 from aioswap._mman cimport MADV_HUGEPAGE, MADV_POPULATE_WRITE, madvise
 from posix.mman cimport (MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, PROT_READ, PROT_WRITE, mlock,
@@ -44,6 +52,35 @@ DEFAULT_ALIGNMENT = 4096
 #: Most pieces one AioQueue keeps in flight (io_setup takes an unsigned int, but the
 #: kernel's aio-max-nr default is 65536).
 MAX_DEPTH = 65535
+
+
+cdef bint _noted = False
+
+
+cdef void _note_once(str text):
+    """Say once per process (the ``aioswap`` logger, INFO) that the engine runs slower than it
+    could; the library never prints."""
+    global _noted
+    if not _noted:
+        _noted = True
+        logging.getLogger("aioswap").info("aioswap engine: %s", text)
+
+
+cdef str _uring_hint(int e, int depth):
+    if e == EINVAL and depth > 32768:
+        return " (an io_uring holds at most 32768 entries: a smaller queue_depth, or kernel AIO)"
+    if e == EPERM:
+        try:
+            with open("/proc/sys/kernel/io_uring_disabled") as f:
+                v = f.read().strip()
+        except OSError:
+            v = "?"
+        if v != "0":
+            return f" (kernel.io_uring_disabled={v})"
+        return " (a seccomp profile, e.g. a container's, refuses io_uring)"
+    if e == ENOSYS:
+        return " (the kernel has no io_uring)"
+    return ""
 
 
 cdef str _aio_limits_hint(int e):
@@ -494,7 +531,7 @@ cdef struct _Req:
     bint finished
     bint queued
     bint counted_write
-    PyObject* token
+    PyObject* obj               # its Request, referenced while the queue may touch it
     _Req* prev
     _Req* next
     _Req* done_next
@@ -553,7 +590,8 @@ cdef struct _Q:
     bint single_submit
     bint overlap
     int broken                  # errno of a failed io_getevents: nothing more can be reaped
-    kt.kthreads* threads        # the worker-thread backend (NULL: kernel AIO, ctx)
+    kt.kthreads* threads        # the worker-thread backend (NULL: not in use)
+    ur.uring* uring             # the io_uring backend (NULL: not in use)
     int waiters
     int eager                   # threads blocked in the handle's wait(): deliver at once
     double last_async           # when the last asynchronous request was queued
@@ -1005,10 +1043,12 @@ cdef inline void _again(_Slot* sl, int64_t res) noexcept nogil:
     sl.cb.aio_offset += res
 
 
-# ---- the backend seam: the queue reaches the kernel only through these three
+# ---- the backend seam: the queue reaches the kernel only through these four
 
 cdef inline long _k_submit(_Q* q, long n, abi.iocb** cbs) noexcept nogil:
     """io_submit: how many pieces were taken, or -1 with errno."""
+    if q.uring != NULL:
+        return ur.uring_submit(q.uring, n, cbs)
     if q.threads != NULL:
         return kt.kthreads_submit(q.threads, n, cbs)
     return abi.syscall(abi.SYS_io_submit, q.ctx, n, cbs)
@@ -1017,6 +1057,8 @@ cdef inline long _k_submit(_Q* q, long n, abi.iocb** cbs) noexcept nogil:
 cdef inline long _k_getevents(_Q* q, long min_nr, long nr, abi.io_event* events,
                               timespec* ts) noexcept nogil:
     """io_getevents with a relative timeout: how many events, or -1 with errno."""
+    if q.uring != NULL:
+        return ur.uring_getevents(q.uring, min_nr, nr, events, ts)
     if q.threads != NULL:
         return kt.kthreads_getevents(q.threads, min_nr, nr, events, ts)
     return abi.syscall(abi.SYS_io_getevents, q.ctx, min_nr, nr, events, ts)
@@ -1025,6 +1067,10 @@ cdef inline long _k_getevents(_Q* q, long min_nr, long nr, abi.io_event* events,
 cdef inline void _k_destroy(_Q* q) noexcept nogil:
     """io_destroy: returns once nothing of the queue's is in flight. Idempotent."""
     cdef kt.kthreads* k = q.threads
+    cdef ur.uring* u = q.uring
+    if u != NULL:
+        q.uring = NULL
+        ur.uring_destroy(u)
     if k != NULL:
         q.threads = NULL
         kt.kthreads_destroy(k)
@@ -1033,9 +1079,19 @@ cdef inline void _k_destroy(_Q* q) noexcept nogil:
         q.ctx = 0
 
 
-# Backends a queue can run on; "auto" is the kernel's AIO, else worker threads where the
-# kernel refuses io_setup (aio-max-nr exhausted: EAGAIN; seccomp: EPERM/ENOSYS).
-BACKENDS = ("auto", "aio", "threads")
+cdef void _k_forget(_Q* q) noexcept:
+    """In a forked child: let go of the parent's ring without touching it (no submission,
+    no reaping: the I/O in flight is the parent's)."""
+    cdef ur.uring* u = q.uring
+    if u != NULL:
+        q.uring = NULL
+        ur.uring_forget(u)
+
+
+# Backends a queue can run on. "auto" is io_uring where the kernel sets up a ring, else
+# kernel AIO, else worker threads (io_uring is refused by kernel.io_uring_disabled and by
+# container seccomp profiles; io_setup when aio-max-nr is exhausted or by seccomp).
+BACKENDS = ("auto", "io_uring", "aio", "threads")
 cdef int _THREADS_MAX = 16          # worker threads of one queue (at most its depth)
 
 
@@ -1326,22 +1382,198 @@ cdef class FileState:
         return self.core.active_writes
 
 
+cdef class AioQueue
+
+
+cdef class Request:
+    """One request from :meth:`AioQueue.submit` to its result: the engine's only handle on it.
+
+    It owns the request's C state, and the queue holds it (with its ``owner``, ``file`` and
+    ``token``) alive until the request is finished and seen (by :meth:`wait`, :meth:`drain`
+    or :meth:`AioQueue.serve`), so no memory it names is freed while the kernel may touch
+    it. :meth:`wait`, :meth:`drain` and :meth:`cancel` may be called any number of times,
+    from any thread, before or after the request finished.
+    """
+    cdef _Req* r
+    cdef readonly AioQueue queue
+    cdef readonly object token
+    cdef readonly object name
+    cdef object owner
+    cdef FileState file
+    cdef bint held              # the queue's reference, dropped once seen finished
+    cdef bint seen
+
+    def __dealloc__(self):
+        # only reachable once the queue let go: finished (or never queued)
+        if self.r != NULL:
+            PyMem_RawFree(self.r)
+            self.r = NULL
+
+    cdef inline void _seen(self) noexcept:
+        """With the GIL, once ``r.finished`` was observed: drop the queue's reference."""
+        self.seen = True
+        if self.held:
+            self.held = False
+            self.owner = None
+            Py_DECREF(self)
+
+    @property
+    def finished(self):
+        return self.seen
+
+    @property
+    def done(self):
+        """Bytes moved (of a finished request)."""
+        return self.r.done
+
+    @property
+    def nbytes(self):
+        return self.r.nbytes
+
+    @property
+    def offset(self):
+        return self.r.offset
+
+    @property
+    def write(self):
+        return self.r.opcode == abi.IOCB_CMD_PWRITE
+
+    @property
+    def errno(self):
+        """The first errno of a finished request (0: none)."""
+        return self.r.err
+
+    @property
+    def eof(self):
+        """Whether a read reached the end of the file."""
+        return bool(self.r.eof and not self.r.err)
+
+    @property
+    def failed_at(self):
+        """``(file offset, bytes)`` of the piece that failed or met the end of the file."""
+        return (self.r.err_offset, self.r.err_nbytes)
+
+    def error(self):
+        """The exception of a finished request that failed (see :func:`failure`), or None."""
+        r = self.r
+        if not self.seen or not (r.err or r.eof):
+            return None
+        return failure(self.name, r.opcode == abi.IOCB_CMD_PWRITE, r.offset, r.nbytes,
+                       r.done, r.err, r.err_offset, r.err_nbytes)
+
+    def cancel(self):
+        """Cut nothing more of the request; what is in flight still completes."""
+        if self.seen:
+            return
+        q = &self.queue.q
+        r = self.r
+        with nogil:
+            pt.pthread_mutex_lock(&q.mu)
+            if not r.finished:
+                r.stop = True
+                if r.inflight == 0:
+                    _unlink(q, r)
+                    _maybe_finish(q, r)
+            pt.pthread_mutex_unlock(&q.mu)
+
+    def wait(self, bint check=True):
+        """Finish the request (driving the queue): its bytes, or (``check``) its error raised.
+
+        Python signal handlers run every 10 ms; when one raises, the request is cancelled,
+        its pieces in flight are drained (nothing writes its memory afterwards), and the
+        exception propagates.
+        """
+        cdef int rc
+        if not self.r.sync and not self.seen:
+            raise RuntimeError("an asynchronous request finishes in AioQueue.serve()")
+        while not self.seen:
+            with nogil:
+                rc = _wait_req(&self.queue.q, self.r, 0.01)
+            if rc == 0:
+                self._seen()
+                break
+            try:
+                PyErr_CheckSignals()
+            except BaseException:
+                self.cancel()
+                self.drain(False)
+                raise
+        if check:
+            exc = self.error()
+            if exc is not None:
+                raise exc
+        return self.r.done
+
+    def drain(self, bint check=True):
+        """Wait for the request without looking at signals: its bytes, or (``check``) its
+        error raised."""
+        if not self.r.sync and not self.seen:
+            raise RuntimeError("an asynchronous request finishes in AioQueue.serve()")
+        if not self.seen:
+            with nogil:
+                while _wait_req(&self.queue.q, self.r, 1.0) != 0:
+                    pass
+            self._seen()
+        if check:
+            exc = self.error()
+            if exc is not None:
+                raise exc
+        return self.r.done
+
+    def __repr__(self):
+        op = "write" if self.r.opcode == abi.IOCB_CMD_PWRITE else "read"
+        state = "finished" if self.seen else "pending"
+        return (f"<aioswap._aio.Request {op} of {self.r.nbytes} bytes at {self.r.offset} "
+                f"of {self.name!r} {state}>")
+
+
+def failure(name, bint write, int64_t offset, uint64_t nbytes, uint64_t done, int err,
+            int64_t err_offset, uint64_t err_nbytes):
+    """The engine's one errno -> exception checker for a request's result.
+
+    ``err`` (an errno) gives ``OSError(err, ...)`` (Python picks the subclass) naming the
+    file, the failed piece's offset and size and how much of the request was done, with
+    those as attributes (``offset``, ``nbytes``: the piece; ``done``); ``err == 0`` means a
+    read met the end of the file: :class:`~aioswap.errors.ShortReadError` (``offset``,
+    ``nbytes``: the request; ``done``; ``eof_offset``: where the end was met).
+    """
+    op = "write" if write else "read"
+    if err:
+        exc = OSError(err, f"{os.strerror(err)} ({op} of {err_nbytes} bytes at file offset "
+                           f"{err_offset}; {done} of {nbytes} bytes done)", name)
+        exc.offset = err_offset
+        exc.nbytes = err_nbytes
+    else:
+        exc = ShortReadError(
+            f"read of {nbytes} bytes at offset {offset} from {name} reached end of file at "
+            f"offset {err_offset} ({done} bytes read)", path=name, offset=offset,
+            nbytes=nbytes)
+        exc.eof_offset = err_offset
+        exc.eof_nbytes = err_nbytes
+    exc.done = done
+    return exc
+
+
 cdef class AioQueue:
-    """One kernel AIO context shared by every request of a handle lane.
+    """One kernel queue (an io_uring, an AIO context, or worker threads) shared by every
+    request of a handle lane.
 
     Parameters
     ----------
     depth : int
-        Most iocbs in flight at once, across all requests (1..65535).
+        Most pieces in flight at once, across all requests (1..65535; io_uring: ..32768).
     single_submit : bool
-        One iocb per ``io_submit`` call.
+        One piece per submission call.
     overlap_events : bool
         Sliding window (True) or submit a batch and reap it whole (False).
+    backend : {"auto", "io_uring", "aio", "threads"}
+        "auto": io_uring where a ring can be set up, else kernel AIO, else worker threads
+        (``why`` says why); a named backend that the kernel refuses raises ``OSError``.
 
     Notes
     -----
-    ``submit`` links a request into the queue and submits what can go at once; ``wait``
-    (sync callers) drives the queue until that request is finished; ``serve`` (one
+    ``submit`` links a request into the queue and submits what can go at once;
+    :meth:`Request.wait` (sync callers) drives the queue until that request is finished; ``serve`` (one
     completion thread) reaps while asynchronous requests are in flight and returns the
     finished ones. The memory of a request must stay valid until it is finished: ``wait``
     returns or raises only after the kernel is done with every piece of it, also when a
@@ -1353,6 +1585,8 @@ cdef class AioQueue:
     cdef long _pid
     cdef object __weakref__
     cdef readonly str why
+    cdef readonly unsigned uring_flags
+    cdef readonly str ring_note
 
     def __cinit__(self):
         memset(&self.q, 0, sizeof(_Q))
@@ -1365,6 +1599,8 @@ cdef class AioQueue:
         cdef int e = 0
         cdef abi.aio_context_t ctx = 0
         cdef kt.kthreads* threads = NULL
+        cdef ur.uring* uring = NULL
+        cdef unsigned flags = 0
         cdef int nthreads
         cdef pt.pthread_condattr_t attr
         cdef int i, nslots
@@ -1386,17 +1622,26 @@ cdef class AioQueue:
             raise MemoryError(f"cannot allocate an AIO queue of depth {depth}")
         memset(q.slots, 0, nslots * sizeof(_Slot))
         ret = -1
-        if backend != "threads":
+        why = []
+        if backend == "auto" or backend == "io_uring":
+            with nogil:
+                ret = ur.uring_setup(&uring, depth, &flags)
+                e = errno
+            if ret < 0:
+                if backend == "io_uring":
+                    self._free_arrays()
+                    _check(ret, e, f"io_uring_setup({depth})", None, _uring_hint(e, depth))
+                why.append(f"io_uring_setup failed: {os.strerror(e)}{_uring_hint(e, depth)}")
+            self.uring_flags = flags
+        if ret < 0 and (backend == "auto" or backend == "aio"):
             with nogil:
                 ret = abi.syscall(abi.SYS_io_setup, <unsigned int>depth, &ctx)
                 e = errno
             if ret < 0 and (backend == "aio" or e not in (EAGAIN, EPERM, ENOSYS)):
                 self._free_arrays()
                 _check(ret, e, f"io_setup({depth})", None, _aio_limits_hint(e))
-            self.why = "" if ret == 0 else (
-                f"io_setup failed: {os.strerror(e)}{_aio_limits_hint(e)}; using worker threads")
-        else:
-            self.why = "asked for"
+            if ret < 0:
+                why.append(f"io_setup failed: {os.strerror(e)}{_aio_limits_hint(e)}")
         if ret < 0:
             nthreads = depth if depth < _THREADS_MAX else _THREADS_MAX
             with nogil:
@@ -1405,6 +1650,15 @@ cdef class AioQueue:
             if ret < 0:
                 self._free_arrays()
                 _check(ret, e, f"starting {nthreads} I/O threads", None, "")
+        if backend != "auto":
+            self.why = "asked for"
+        elif why:
+            self.why = "; ".join(why) + "; using " + (
+                "kernel AIO" if ctx else "worker threads")
+        else:
+            self.why = ""
+        self.ring_note = ""
+        q.uring = uring
         q.threads = threads
         q.ctx = ctx
         q.depth = depth
@@ -1439,9 +1693,17 @@ cdef class AioQueue:
 
     @property
     def backend(self):
-        """``"aio"`` (kernel AIO) or ``"threads"`` (positional I/O on worker threads); ``why``
-        says why threads when they were not asked for."""
+        """``"io_uring"``, ``"aio"`` (kernel AIO) or ``"threads"`` (positional I/O on worker
+        threads); ``why`` says why when "auto" did not get io_uring."""
+        if self.q.uring != NULL:
+            return "io_uring"
         return "threads" if self.q.threads != NULL else "aio"
+
+    @property
+    def fixed_ring(self):
+        """Whether the bounce ring is registered with io_uring (``READ_FIXED``/``WRITE_FIXED``
+        pieces); ``ring_note`` says why not when registration was refused."""
+        return self.q.uring != NULL and self.q.nbuf > 0 and not self.ring_note
 
     @property
     def depth(self):
@@ -1486,7 +1748,7 @@ cdef class AioQueue:
 
         ``owner`` (the memory) is kept alive as long as the queue. Once only.
         """
-        cdef int i
+        cdef int i, rc, e
         self._check()
         if self.q.nbuf:
             raise RuntimeError("the ring is already attached")
@@ -1498,6 +1760,16 @@ cdef class AioQueue:
         for i in range(nbuf):
             fb[i] = nbuf - 1 - i
         self._ring_owner = owner
+        if self.q.uring != NULL:
+            # pieces through the ring then skip the kernel's per-request page pinning
+            with nogil:
+                rc = ur.uring_register_buffer(self.q.uring, <void*>address,
+                                              <size_t>bufsize * <size_t>nbuf)
+                e = errno
+            if rc < 0:
+                self.ring_note = (f"registering the bounce ring with io_uring failed: "
+                                  f"{os.strerror(e)}; plain READ/WRITE")
+                _note_once(self.ring_note)
         pt.pthread_mutex_lock(&self.q.mu)
         self.q.free_bufs = fb
         self.q.ring = <char*>address
@@ -1508,16 +1780,21 @@ cdef class AioQueue:
 
     def submit(self, int fd, bint write, size_t addr, uint64_t nbytes, int64_t offset,
                int mode, uint64_t align, uint64_t block, FileState file=None,
-               bint fsync=False, bint sync=False, object token=None):
-        """Queue one request and submit what can go now; returns its id.
+               bint fsync=False, bint sync=False, object token=None, object name=None,
+               object owner=None):
+        """Queue one request and submit what can go now; returns its :class:`Request`.
 
         ``mode`` is MODE_DIRECT, MODE_BOUNCE or MODE_PLAIN; ``align`` the file's O_DIRECT
         offset alignment (1 for MODE_PLAIN); ``block`` the piece size (a multiple of
         ``align``; ring pieces are capped at the ring's buffer size). Writes that are not
-        aligned at both ends need ``file`` (edge blocks are locked per file). A sync request is finished with :meth:`wait`; an asynchronous
-        one comes back from :meth:`serve` with ``token``.
+        aligned at both ends need ``file`` (edge blocks are locked per file). A sync request
+        is finished with :meth:`Request.wait`; an asynchronous one comes back from
+        :meth:`serve`. ``name`` (the file's, for error messages), ``token`` (the caller's)
+        and ``owner`` (what keeps ``addr`` valid) ride on the request; the queue keeps the
+        request, and so ``owner``, alive until it is finished and seen.
         """
         cdef _Req* r
+        cdef Request req
         cdef uint64_t te, hs
         cdef bint edges
         self._check()
@@ -1540,10 +1817,16 @@ cdef class AioQueue:
                              f"alignment {align}")
         if edges and write and file is None:
             raise ValueError("an unaligned write needs its FileState")
+        req = Request.__new__(Request)
         r = <_Req*>PyMem_RawMalloc(sizeof(_Req))
         if r == NULL:
             raise MemoryError()
         memset(r, 0, sizeof(_Req))
+        req.r = r
+        req.queue = self
+        req.token = token
+        req.name = name
+        req.owner = owner
         r.fd = fd
         r.opcode = abi.IOCB_CMD_PWRITE if write else abi.IOCB_CMD_PREAD
         r.mode = mode
@@ -1556,7 +1839,6 @@ cdef class AioQueue:
         if mode != M_PLAIN and self.q.nbuf and r.bblock > self.q.bufsize:
             r.bblock = self.q.bufsize // align * align
             if r.bblock == 0:
-                PyMem_RawFree(r)
                 raise ValueError(f"ring buffers of {self.q.bufsize} bytes are smaller than "
                                  f"the alignment {align}")
         r.fsync = fsync and write
@@ -1571,6 +1853,7 @@ cdef class AioQueue:
             if r.tail_start < r.head_end:
                 r.tail_start = r.head_end
         if file is not None:
+            req.file = file                 # its core must outlive the request
             r.file = &file.core
             if write:
                 pt.pthread_mutex_lock(&_edge_mu)
@@ -1581,9 +1864,10 @@ cdef class AioQueue:
                 r.file.active_writes += 1
                 pt.pthread_mutex_unlock(&_edge_mu)
                 r.counted_write = True
-        if token is not None:
-            Py_INCREF(token)
-            r.token = <PyObject*>token
+        # from here nothing fails: the queue holds the request until it is seen finished
+        Py_INCREF(req)
+        r.obj = <PyObject*>req
+        req.held = True
         r.stage = ST_HEAD
         r.queued = True
         q = &self.q
@@ -1604,11 +1888,13 @@ cdef class AioQueue:
                 pt.pthread_mutex_lock(&q.mu)
                 _wake(q)
                 pt.pthread_mutex_unlock(&q.mu)
-        return <size_t>r
+        return req
 
     def run(self, int fd, bint write, size_t addr, uint64_t nbytes, int64_t offset, int mode,
-            uint64_t align, uint64_t block, FileState file=None, bint fsync=False):
-        """:meth:`submit` a sync request and :meth:`wait` for it, in one call.
+            uint64_t align, uint64_t block, FileState file=None, bint fsync=False,
+            object name=None):
+        """:meth:`submit` a sync request and wait for it, in one call: the bytes moved, or
+        the request's error (see :func:`failure`) raised.
 
         A request that is one piece on the caller's memory, aligned at both ends, is one
         ``pread``/``pwrite`` in this thread instead (GIL released): with nothing to overlap,
@@ -1655,72 +1941,23 @@ cdef class AioQueue:
                     pt.pthread_mutex_lock(&_edge_mu)
                     core.active_writes -= 1
                     pt.pthread_mutex_unlock(&_edge_mu)
-            if e:
-                return (done, e, offset + <int64_t>done, nbytes - done, False)
-            if done < nbytes:
-                return (done, 0, offset + <int64_t>done, nbytes - done, True)
-            return (done, 0, 0, 0, False)
-        return self.wait(self.submit(fd, write, addr, nbytes, offset, mode, align, block, file,
-                                     fsync, True, None))
-
-    def cancel(self, size_t rid):
-        """Cut nothing more of a request; what is in flight still completes."""
-        cdef _Req* r = <_Req*>rid
-        pt.pthread_mutex_lock(&self.q.mu)
-        if not r.finished:
-            r.stop = True
-            if r.inflight == 0:
-                _unlink(&self.q, r)
-                _maybe_finish(&self.q, r)
-        pt.pthread_mutex_unlock(&self.q.mu)
-
-    def wait(self, size_t rid):
-        """Finish a sync request: ``(done, err, err_offset, err_nbytes, eof)``.
-
-        Python signal handlers run every 10 ms; when one raises, the request is cancelled,
-        its pieces in flight are drained (nothing writes its memory afterwards), and the
-        exception propagates.
-        """
-        cdef _Req* r = <_Req*>rid
-        cdef int rc
-        while True:
-            with nogil:
-                rc = _wait_req(&self.q, r, 0.01)
-            if rc == 0:
-                break
-            try:
-                PyErr_CheckSignals()
-            except BaseException:
-                self.cancel(rid)
-                self.drain(rid)
-                raise
-        return self._take(r)
-
-    def drain(self, size_t rid):
-        """Wait for a request without looking at signals; its result (and it is freed)."""
-        cdef _Req* r = <_Req*>rid
-        with nogil:
-            while _wait_req(&self.q, r, 1.0) != 0:
-                pass
-        return self._take(r)
-
-    cdef object _take(self, _Req* r):
-        res = (r.done, r.err, r.err_offset, r.err_nbytes, bool(r.eof))
-        if r.token != NULL:
-            Py_DECREF(<object>r.token)
-            r.token = NULL
-        PyMem_RawFree(r)
-        return res
+            if e or done < nbytes:
+                raise failure(name, write, offset, nbytes, done, e, offset + <int64_t>done,
+                              nbytes - done)
+            return done
+        return self.submit(fd, write, addr, nbytes, offset, mode, align, block, file,
+                           fsync, True, None, name).wait()
 
     def serve(self):
         """Completion thread: block until asynchronous requests finish.
 
-        Returns a list of ``(token, done, err, err_offset, err_nbytes, eof)``, or None once
-        :meth:`shutdown` was called and nothing is left in flight.
+        Returns a list of finished :class:`Request` objects, or None once :meth:`shutdown`
+        was called and nothing is left in flight.
         """
         cdef _Req* head = NULL
         cdef _Req* r
         cdef _Req* nxt
+        cdef Request req
         cdef int rc
         if not self._ready:
             return None
@@ -1732,12 +1969,9 @@ cdef class AioQueue:
         r = head
         while r != NULL:
             nxt = r.done_next
-            token = <object>r.token if r.token != NULL else None
-            out.append((token, r.done, r.err, r.err_offset, r.err_nbytes, bool(r.eof)))
-            if r.token != NULL:
-                Py_DECREF(<object>r.token)
-                r.token = NULL
-            PyMem_RawFree(r)
+            req = <Request>r.obj
+            out.append(req)
+            req._seen()
             r = nxt
         return out
 
@@ -1778,6 +2012,8 @@ cdef class AioQueue:
         if self._pid == getpid():
             with nogil:
                 _k_destroy(&self.q)
+        else:
+            _k_forget(&self.q)
         self.q.ctx = 0
         self.q.threads = NULL
         if self._pid == getpid():
@@ -1790,18 +2026,43 @@ cdef class AioQueue:
         if self._ready and self._pid == getpid():
             with nogil:
                 _k_destroy(&self.q)
+        elif self._ready:
+            _k_forget(&self.q)
         if self._ready:
             self._free_arrays()
 
 
-def aio_available():
-    """Return ``(True, "")`` if an :class:`AioQueue` can be set up here, else ``(False, reason)``.
+def aio_available(str backend="aio"):
+    """Return ``(True, "")`` if an :class:`AioQueue` on ``backend`` can be set up here, else
+    ``(False, reason)``.
 
-    Sets up and destroys a queue of depth 1: the same ``io_setup`` the handles make, so a
-    refusal (``aio-max-nr`` exhausted, a seccomp profile, a kernel without AIO) shows here.
+    Sets up and destroys a queue of depth 1: the same ``io_setup`` (or ``io_uring_setup``)
+    the handles make, so a refusal (``aio-max-nr`` exhausted, ``kernel.io_uring_disabled``,
+    a seccomp profile, a kernel without AIO) shows here.
     """
     try:
-        AioQueue(1).close()
+        AioQueue(1, backend=backend).close()
     except OSError as exc:
         return (False, str(exc))
     return (True, "")
+
+
+def backends_available():
+    """``{backend: (works, reason)}`` for every backend a queue can run on here."""
+    return {b: aio_available(b) for b in BACKENDS if b != "auto"}
+
+
+def _uring_inject(int setup_errno=0, int einval_flags=0, int register_errno=0,
+                  int cqe_eagain=0, int cqe_short=0):
+    """Tests only: make the io_uring backend fail on purpose (see ``_uring.h``); all zero
+    (the default) turns every fault off."""
+    ur.uring_inject.setup_errno = setup_errno
+    ur.uring_inject.einval_flags = einval_flags
+    ur.uring_inject.register_errno = register_errno
+    ur.uring_inject.cqe_eagain = cqe_eagain
+    ur.uring_inject.cqe_short = cqe_short
+
+
+def _uring_faults_left():
+    """Tests only: the injected CQE faults not yet used ``(eagain, short)``."""
+    return (ur.uring_inject.cqe_eagain, ur.uring_inject.cqe_short)

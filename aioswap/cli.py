@@ -267,12 +267,14 @@ def _backend_info() -> dict[str, Any]:
     """The engine backend a handle gets here (AIOSWAP_BACKEND, else "auto"), and why."""
     from aioswap import _aio
     from aioswap.config import runtime_settings
+    works = {name: {"works": ok, "reason": why or None}
+             for name, (ok, why) in _aio.backends_available().items()}
     try:
         q = _aio.AioQueue(1, backend=runtime_settings().backend)
     except OSError as exc:
-        return {"name": None, "reason": str(exc)}
+        return {"name": None, "reason": str(exc), "backends": works}
     try:
-        return {"name": q.backend, "reason": q.why or None}
+        return {"name": q.backend, "reason": q.why or None, "backends": works}
     finally:
         q.close()
 
@@ -293,6 +295,9 @@ def _format_info(info: dict[str, Any]) -> str:
         f"  (fs.aio-nr {a['aio_nr']} of {a['aio_max_nr']})",
         f"engine backend   : {info['backend']['name'] or 'none'}"
         + (f" ({info['backend']['reason']})" if info["backend"]["reason"] else ""),
+        "backends         : " + ", ".join(
+            f"{name} {'yes' if b['works'] else 'NO (' + str(b['reason']) + ')'}"
+            for name, b in info["backend"]["backends"].items()),
         f"directory        : {d['path']} ({d['fs_type']}), "
         f"{format_size(d['free_bytes'])} free of {format_size(d['total_bytes'])}",
     ]
@@ -419,12 +424,13 @@ def _summary(size: int, seconds: list[float]) -> dict[str, Any] | None:
 
 def run_bench(directory: str, size: int, *, config: AioConfig, repeat: int, warmup: int,
               ops: Sequence[str], gds: bool, progress: bool,
-              err: IO[str]) -> dict[str, Any]:
+              err: IO[str], backends: Sequence[str | None] = (None,)) -> dict[str, Any]:
     """Measure aioswap direct / bounce (and GDS) against buffered Python I/O on ``size`` bytes.
 
     Each round runs every method once, in an order rotated by one per round; a method writes
     (fsync'd), drops the file from the page cache, reads, and checks the bytes. Figures are the
-    median of the rounds with their range.
+    median of the rounds with their range. Several ``backends`` give the aioswap rows once
+    per engine backend (named in the row), side by side in the same rounds.
     """
     torch = _need_torch("bench")
     from aioswap import pinned
@@ -464,23 +470,34 @@ def run_bench(directory: str, size: int, *, config: AioConfig, repeat: int, warm
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", AioswapWarning)
-        handle = AioHandle.from_config(config)
+        handles: list[tuple[str, Any]] = []
+        try:
+            for name in backends:
+                h = AioHandle.from_config(config, backend=name)
+                handles.append((f" [{h.backend}]" if len(backends) > 1 else "", h))
+        except BaseException:
+            for _, h in handles:
+                h.close()
+            raise
+        handle = handles[0][1]
         gds_handle: Any = None
         if gds:
             from aioswap.gds import GdsHandle
             try:
                 gds_handle = GdsHandle.from_config(config)
             except Exception as exc:
-                handle.close()
+                for _, h in handles:
+                    h.close()
                 raise UsageError(f"--gds needs cuFile: {_short_reason(str(exc))}") from None
         try:
             with _scratch(directory, "bench") as path:
-                methods = _bench_methods(torch, handle, gds_handle, ref, plain, locked, gpu,
+                methods = _bench_methods(torch, handles, gds_handle, ref, plain, locked, gpu,
                                          size)
                 result = _bench_rounds(methods, path, size, repeat, warmup, ops, progress, err)
                 stats = handle.stats
         finally:
-            handle.close()
+            for _, h in handles:
+                h.close()
             if gds_handle is not None:
                 gds_handle.close()
     for w in caught:
@@ -512,7 +529,8 @@ def run_bench(directory: str, size: int, *, config: AioConfig, repeat: int, warm
                                   else s["GBps"] / b["GBps"])
         rows.append(row)
     return {"directory": directory, "fs_type": _fs_type(directory), "size_bytes": size,
-            "size": format_size(size), "config": config.to_dict(), "repeat": repeat,
+            "size": format_size(size), "config": config.to_dict(),
+            "backends": [h.backend for _, h in handles], "repeat": repeat,
             "warmup": warmup, "ops": list(ops),
             "units": "GB/s = 10^9 bytes/s, median of the rounds (min-max); "
                      "ratio = aioswap / python buffered (bigger is better)",
@@ -521,23 +539,11 @@ def run_bench(directory: str, size: int, *, config: AioConfig, repeat: int, warm
             "rows": rows, "skipped": skipped, "notes": notes}
 
 
-def _bench_methods(torch: Any, handle: Any, gds_handle: Any, ref: Any, plain: Any,
-                   locked: Any, gpu: Any, size: int) -> list[_Method]:
+def _bench_methods(torch: Any, handles: list[tuple[str, Any]], gds_handle: Any, ref: Any,
+                   plain: Any, locked: Any, gpu: Any, size: int) -> list[_Method]:
     methods: list[_Method] = []
-    if locked is not None:
-        def d_write(path: str) -> None:
-            locked.copy_(ref)
-            handle.pwrite(locked, path, fsync=True)
-
-        def d_read(path: str) -> None:
-            locked.zero_()
-            handle.pread(locked, path)
-        methods.append(_Method("direct", "aioswap direct (pinned)", d_write, d_read,
-                               lambda: bool(torch.equal(locked, ref))))
-    methods.append(_Method("bounce", "aioswap bounce (unpinned)",
-                           lambda p: handle.pwrite(ref, p, fsync=True),
-                           lambda p: handle.pread(plain, p),
-                           lambda: bool(torch.equal(plain, ref))))
+    for tag, handle in handles:
+        methods.extend(_aioswap_methods(torch, tag, handle, ref, plain, locked))
     if gds_handle is not None:
         methods.append(_Method("gds", "aioswap gds (cuFile)",
                                lambda p: gds_handle.pwrite(gpu, p, fsync=True),
@@ -561,6 +567,28 @@ def _bench_methods(torch: Any, handle: Any, gds_handle: Any, ref: Any, plain: An
                     raise OSError(errno.EIO, f"{path}: unexpected end of file")
                 done += n
     methods.append(_Method("buffered", "python buffered", b_write, b_read,
+                           lambda: bool(torch.equal(plain, ref))))
+    return methods
+
+
+def _aioswap_methods(torch: Any, tag: str, handle: Any, ref: Any, plain: Any,
+                     locked: Any) -> list[_Method]:
+    """The direct (pinned) and bounce (unpinned) rows of one handle; ``tag`` names its
+    backend when several are compared."""
+    methods: list[_Method] = []
+    if locked is not None:
+        def d_write(path: str) -> None:
+            locked.copy_(ref)
+            handle.pwrite(locked, path, fsync=True)
+
+        def d_read(path: str) -> None:
+            locked.zero_()
+            handle.pread(locked, path)
+        methods.append(_Method("direct" + tag, "aioswap direct (pinned)" + tag, d_write,
+                               d_read, lambda: bool(torch.equal(locked, ref))))
+    methods.append(_Method("bounce" + tag, "aioswap bounce (unpinned)" + tag,
+                           lambda p: handle.pwrite(ref, p, fsync=True),
+                           lambda p: handle.pread(plain, p),
                            lambda: bool(torch.equal(plain, ref))))
     return methods
 
@@ -606,14 +634,15 @@ def _format_bench(res: dict[str, Any]) -> str:
         "",
     ]
     ops = res["ops"]
-    head = f"{'method':<28}"
+    width = max([28] + [len(row["method"]) + 2 for row in res["rows"]])
+    head = f"{'method':<{width}}"
     for op in ops:
         head += f"{op + ' GB/s':>12}{'(min-max)':>15}"
     for op in ops:
         head += f"{op + ' ratio':>12}"
     lines.append(head)
     for row in res["rows"]:
-        line = f"{row['method']:<28}"
+        line = f"{row['method']:<{width}}"
         for op in ops:
             s = row[op]
             line += f"{s['GBps']:>12.2f}{'(%.2f-%.2f)' % (s['min'], s['max']):>15}"
@@ -637,7 +666,8 @@ def cmd_bench(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
     elif args.write_only:
         ops = ["write"]
     res = run_bench(directory, args.size, config=config, repeat=args.repeat, warmup=args.warmup,
-                    ops=ops, gds=args.gds, progress=not args.no_progress, err=err)
+                    ops=ops, gds=args.gds, progress=not args.no_progress, err=err,
+                    backends=_backends_from_args(args, True))
     out.write((json.dumps(res, indent=2) if args.json else _format_bench(res)) + "\n")
     out.flush()
     return 0
@@ -810,6 +840,10 @@ def cmd_tune(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
                              f"smaller --io-size")
     direction: tune_mod.Direction = ("write" if args.no_read else
                                      "read" if args.no_write else "both")
+    backend = _backends_from_args(args, False)[0]
+    if backend is not None:
+        # every handle of the sweep (and of its child processes) runs on it
+        os.environ["AIOSWAP_BACKEND"] = backend
     return run_tune(dirs=dirs, io_size=args.io_size, direction=direction, use_gds=args.gds,
                     search=args.search, repeat=args.repeat, quick=args.quick,
                     log_dir=args.log_dir, output=args.output, plot=args.plot,
@@ -835,6 +869,29 @@ def _add_knobs(p: argparse.ArgumentParser) -> None:
                    help="one request per io_submit call (single_submit=true)")
     p.add_argument("--no-overlap", action="store_true", default=None,
                    help="submit a batch and reap it whole (overlap_events=false)")
+    p.add_argument("--backend", default=None, metavar="NAME",
+                   help="engine backend: auto, io_uring, aio or threads (default "
+                        "AIOSWAP_BACKEND, else auto); bench takes several, comma-separated, "
+                        "to compare them side by side")
+
+
+def _backends_from_args(args: argparse.Namespace, several: bool) -> list[str | None]:
+    """The --backend names (checked), or [None]: what AIOSWAP_BACKEND or "auto" gives."""
+    from aioswap import _aio
+    if args.backend is None:
+        return [None]
+    names = [b.strip().lower() for b in args.backend.split(",") if b.strip()]
+    bad = [b for b in names if b not in _aio.BACKENDS]
+    if bad or not names or (len(names) > 1 and not several):
+        want = "one or more of" if several else "one of"
+        raise UsageError(f"--backend {args.backend!r}: expected {want} "
+                         f"{', '.join(_aio.BACKENDS)}")
+    for b in names:
+        if b != "auto":
+            ok, why = _aio.aio_available(b)
+            if not ok:
+                raise UsageError(f"--backend {b}: it does not work here: {why}")
+    return list(dict.fromkeys(names))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -900,6 +957,9 @@ def build_parser() -> argparse.ArgumentParser:
     direction.add_argument("--no-read", action="store_true", help="measure writes only")
     direction.add_argument("--no-write", action="store_true", help="measure reads only")
     pt.add_argument("--gds", action="store_true", help="tune the cuFile (GDS) path")
+    pt.add_argument("--backend", default=None, metavar="NAME",
+                    help="engine backend of the sweep: auto, io_uring, aio or threads (default "
+                         "AIOSWAP_BACKEND, else auto); run tune once per backend to compare")
     pt.add_argument("--search", choices=("fast", "grid"), default="fast",
                     help="fast: coordinate search from the defaults (default); grid: every "
                          "point")

@@ -407,9 +407,10 @@ class RuntimeSettings:
     backend: str = "auto"
 
 
-#: The engine's kernel interfaces (``AIOSWAP_BACKEND``, ``AioHandle(backend=...)``): kernel
-#: AIO, positional I/O on worker threads, or "auto" (kernel AIO, threads where it is refused).
-_BACKENDS = ("auto", "aio", "threads")
+#: The engine's kernel interfaces (``AIOSWAP_BACKEND``, ``AioHandle(backend=...)``):
+#: io_uring, kernel AIO, positional I/O on worker threads, or "auto" (the first of those the
+#: kernel allows here).
+_BACKENDS = ("auto", "io_uring", "aio", "threads")
 
 
 def runtime_settings(environ: Mapping[str, str] | None = None) -> RuntimeSettings:

@@ -233,12 +233,13 @@ class _Outcome:
 class _Queued:
     """A one-slice request in a lane's queue: what finishing it needs."""
 
-    __slots__ = ("hold", "lane", "req", "rid")
+    __slots__ = ("hold", "lane", "req", "rq")
 
-    def __init__(self, req: _Request, lane: _Lane, rid: int, hold: object | None) -> None:
+    def __init__(self, req: _Request, lane: _Lane, rq: _aio.Request,
+                 hold: object | None) -> None:
         self.req = req
         self.lane = lane
-        self.rid = rid
+        self.rq = rq
         self.hold = hold
 
 
@@ -248,11 +249,11 @@ class _Ticket:
     It is also the request's outcome for :meth:`AioHandle.wait` (``seq`` and ``error``).
     """
 
-    __slots__ = ("error", "file", "fut", "handle", "hold", "nbytes", "offset", "owner",
-                 "seq", "write")
+    __slots__ = ("error", "file", "fut", "handle", "hold", "nbytes", "offset", "seq",
+                 "write")
 
     def __init__(self, handle: AioHandle, write: bool, file: AioFile, offset: int,
-                 nbytes: int, fut: IOFuture, hold: object | None, owner: Any) -> None:
+                 nbytes: int, fut: IOFuture, hold: object | None) -> None:
         self.handle = handle
         self.write = write
         self.file = file
@@ -260,7 +261,6 @@ class _Ticket:
         self.nbytes = nbytes
         self.fut = fut
         self.hold = hold
-        self.owner = owner          # the caller's buffer: alive until the kernel is done
         self.seq = 0
         self.error: BaseException | None = None
 
@@ -268,18 +268,12 @@ class _Ticket:
 class _ShortQueued:
     """A sync short-path request in a lane's queue (a batch call reaps it later)."""
 
-    __slots__ = ("file", "hold", "lane", "nbytes", "offset", "owner", "rid", "write")
+    __slots__ = ("file", "hold", "rq")
 
-    def __init__(self, lane: _Lane, rid: int, write: bool, file: AioFile, offset: int,
-                 nbytes: int, hold: object | None, owner: Any) -> None:
-        self.lane = lane
-        self.rid = rid
-        self.write = write
+    def __init__(self, rq: _aio.Request, file: AioFile, hold: object | None) -> None:
+        self.rq = rq                # holds the caller's buffer until the request is reaped
         self.file = file
-        self.offset = offset
-        self.nbytes = nbytes
         self.hold = hold
-        self.owner = owner          # the caller's buffer: alive until the request is reaped
 
 
 class DeviceTransport:
@@ -337,22 +331,22 @@ class _Lane:
         self.ring.close()
 
 
-def _deliver(batch: list[Any]) -> None:
+def _deliver(batch: list[_aio.Request]) -> None:
     """A lane's completion thread: finish a batch of requests (their futures' callbacks
     run here)."""
     tickets = []
-    for item in batch:
-        token = item[0]
+    for rq in batch:
+        token = rq.token
         if type(token) is _Ticket:
-            tickets.append(item)
+            tickets.append(rq)
             continue
         try:
-            token.part_done(*item[1:])
+            token.part_done(rq)
         except BaseException:       # never let one callback stop the lane
             _log.exception("aioswap: completing a request failed")
     if tickets:
         try:
-            tickets[0][0].handle._complete(tickets)
+            tickets[0].token.handle._complete(tickets)
         except BaseException:
             _log.exception("aioswap: completing requests failed")
 
@@ -374,8 +368,9 @@ class _Async:
         self.lock = threading.Lock() if parts > 1 else None
         self.outcome: _Outcome | None = None
 
-    def part_done(self, done: int, err: int, eoff: int, en: int, eof: bool) -> None:
-        exc = self.handle._result_error(self.req, done, err, eoff, en, eof)
+    def part_done(self, rq: _aio.Request) -> None:
+        done = rq.done
+        exc = self.handle._slice_error(self.req, rq)
         if self.lock is not None:
             with self.lock:
                 self.done += done
@@ -392,7 +387,7 @@ class _Async:
 
 
 class AioHandle:
-    """Reads and writes tensors and buffers to files with kernel AIO.
+    """Reads and writes tensors and buffers to files with io_uring or kernel AIO.
 
     Parameters
     ----------
@@ -417,7 +412,7 @@ class AioHandle:
     device_transport : DeviceTransport, optional
         What moves contiguous CUDA tensors (``GdsHandle`` passes cuFile); without one they
         are staged through the bounce ring.
-    backend : {"auto", "aio", "threads"}, optional
+    backend : {"auto", "io_uring", "aio", "threads"}, optional
         The kernel interface (default ``AIOSWAP_BACKEND``, else "auto"): see :attr:`backend`.
 
     Notes
@@ -530,17 +525,19 @@ class AioHandle:
 
     @property
     def backend(self) -> str:
-        """The kernel interface the lanes run on: ``"aio"`` or ``"threads"``.
+        """The kernel interface the lanes run on: ``"io_uring"``, ``"aio"`` or ``"threads"``.
 
-        ``backend="auto"`` (the default, or ``AIOSWAP_BACKEND``) is kernel AIO, and worker
-        threads doing ``pread``/``pwrite`` where the kernel refuses ``io_setup``
-        (``aio-max-nr`` exhausted, a seccomp profile); :attr:`backend_reason` says why.
+        ``backend="auto"`` (the default, or ``AIOSWAP_BACKEND``) is io_uring where the kernel
+        sets up a ring, else kernel AIO, else worker threads doing ``pread``/``pwrite``
+        (``kernel.io_uring_disabled``, ``aio-max-nr`` exhausted, a container's seccomp
+        profile); :attr:`backend_reason` says why when it is not io_uring.
         """
         return str(self._lanes[0].queue.backend)
 
     @property
     def backend_reason(self) -> str:
-        """Why :attr:`backend` is what it is ("" for kernel AIO chosen by "auto")."""
+        """Why :attr:`backend` is what it is ("" for io_uring chosen by "auto", "asked for"
+        when named)."""
         return str(self._lanes[0].queue.why)
 
     @property
@@ -780,7 +777,7 @@ class AioHandle:
         """Cancel and drain queued requests (an error or a signal stops a batch)."""
         for q in queued:
             if not isinstance(q, _Request):
-                q.lane.queue.cancel(q.rid)
+                q.rq.cancel()
         for q in queued:
             if isinstance(q, _ShortQueued):
                 try:
@@ -789,7 +786,7 @@ class AioHandle:
                     pass
             elif isinstance(q, _Queued):
                 try:
-                    self._finish_one(q, q.lane.queue.drain(q.rid))
+                    self._finish_one(q, drain=True)
                 except Exception:
                     pass
                 self._release(q.req)
@@ -1024,7 +1021,7 @@ class AioHandle:
         if how == 1:
             fut = IOFuture("write" if write else "read", arg, n, offset)
             fut._hurry = lane.queue.hurry
-            ticket = _Ticket(self, write, f, offset, n, fut, hold, t)
+            ticket = _Ticket(self, write, f, offset, n, fut, hold)
             if lane.thread is None:
                 lane.start()
         with self._lock:
@@ -1043,87 +1040,80 @@ class AioHandle:
         if ticket is not None:
             try:
                 lane.queue.submit(f._fd, write, addr, n, offset, mode, align, f.piece,
-                                  f.state, False, False, ticket)
+                                  f.state, False, False, ticket, f.name, t)
             except BaseException:
                 with self._lock:
                     self._finished_locked(ticket, None, counted=False)
-                self._short_done(f, hold, write, offset, n, None)
+                self._short_done(f, hold, write, 0, True)
                 raise
             return ticket.fut
         if how == 2:
             try:
-                rid = lane.queue.submit(f._fd, write, addr, n, offset, mode, align,
-                                        f.piece, f.state, False, True, None)
+                rq = lane.queue.submit(f._fd, write, addr, n, offset, mode, align,
+                                       f.piece, f.state, False, True, None, f.name, t)
             except BaseException:
-                self._short_done(f, hold, write, offset, n, None)
+                self._short_done(f, hold, write, 0, True)
                 raise
-            return _ShortQueued(lane, rid, write, f, offset, n, hold, t)
-        res = None
+            return _ShortQueued(rq, f, hold)
+        done = -1
         try:
-            res = lane.queue.run(f._fd, write, addr, n, offset, mode, align, f.piece,
-                                 f.state, False)
+            done = lane.queue.run(f._fd, write, addr, n, offset, mode, align, f.piece,
+                                  f.state, False, f.name)
         finally:
-            if res is None:                     # interrupted (the queue drained it)
-                self._short_done(f, hold, write, offset, n, None)
-        return self._short_done(f, hold, write, offset, n, res)
+            # an error or an interruption (the queue drained the request first) is raised
+            self._short_done(f, hold, write, max(done, 0), done < 0)
+        return done
 
     def _short_finish(self, q: _ShortQueued, drain: bool = False) -> int:
         """Reap a queued short-path request (``drain``: without looking at signals)."""
-        res = None
+        rq = q.rq
+        done = -1
         try:
-            res = q.lane.queue.drain(q.rid) if drain else q.lane.queue.wait(q.rid)
+            done = rq.drain() if drain else rq.wait()
         finally:
-            if res is None:                     # interrupted (the queue drained it)
-                self._short_done(q.file, q.hold, q.write, q.offset, q.nbytes, None)
-        return self._short_done(q.file, q.hold, q.write, q.offset, q.nbytes, res)
+            self._short_done(q.file, q.hold, rq.write, rq.done if rq.finished else 0,
+                             done < 0)
+        return done
 
-    def _short_done(self, f: AioFile, hold: object | None, write: bool, offset: int, n: int,
-                    res: tuple[int, int, int, int, bool] | None) -> int:
-        """A sync short-path request is over: uncount it on the handle and the file; its
-        bytes, or its error raised. ``res``: the queue's result, None when it failed
-        before it had one (the caller raises that error)."""
-        done, error = 0, None
-        if res is not None:
-            done, err, eoff, en, eof = res
-            if err or eof:
-                error = self._error(write, f, offset, n, done, err, eoff, en)
+    def _short_done(self, f: AioFile, hold: object | None, write: bool, done: int,
+                    failed: bool) -> None:
+        """A sync short-path request is over (``failed``: with an error the caller raises):
+        uncount it on the handle and the file."""
         with self._lock:
             self._active -= 1
             f._users -= 1
             last = f._users == 0 and f._closed
-            self._count_outcome(write, done, res is None or error is not None)
+            self._count_outcome(write, done, failed)
             if self._closed and self._active == 0:
                 self._idle.notify_all()
         if hold is not None:
             pinned.registry.unhold(hold)
         if last:
             f._close_fd()
-        if error is not None:
-            raise error
-        return done
 
-    def _complete(self, items: list[tuple[_Ticket, int, int, int, int, bool]]) -> None:
+    def _complete(self, items: list[_aio.Request]) -> None:
         """The completion thread: a batch of finished short-path requests."""
         closing: list[AioFile] = []
         with self._lock:
-            for t, done, err, eoff, en, eof in items:
+            for rq in items:
+                t = rq.token
                 f = t.file
                 f._users -= 1
                 if f._users == 0 and f._closed:
                     closing.append(f)
-                if err or eof:
-                    t.error = self._error(t.write, f, t.offset, t.nbytes, done, err, eoff, en)
-                self._count_outcome(t.write, done, t.error is not None)
+                t.error = rq.error()
+                self._count_outcome(t.write, rq.done, t.error is not None)
                 self._active -= 1
                 self._finished_locked(t, t.error)
             if self._closed and self._active == 0:
                 self._idle.notify_all()
         unhold = pinned.registry.unhold
-        for t, done, *_ in items:
+        for rq in items:
+            t = rq.token
             if t.hold is not None:
                 unhold(t.hold)
             try:
-                t.fut._finish(done, t.error)
+                t.fut._finish(rq.done, t.error)
             except BaseException:               # a callback's error stays with it
                 _log.exception("aioswap: completing a request failed")
         for f in closing:
@@ -1132,15 +1122,7 @@ class AioHandle:
     def _error(self, write: bool, f: AioFile, offset: int, n: int, done: int, err: int,
                eoff: int, en: int) -> BaseException:
         """The exception of a failed request (an errno, or else the end of the file)."""
-        op = "write" if write else "read"
-        if err:
-            exc = OSError(err, f"{os.strerror(err)} ({op} of {en} bytes at file offset "
-                               f"{eoff}; {done} of {n} bytes done)", f.name)
-            exc.offset = eoff                   # type: ignore[attr-defined]
-            return exc
-        return ShortReadError(
-            f"read of {n} bytes at offset {offset} from {f.name} reached end of file at "
-            f"offset {eoff} ({done} bytes read)", path=f.name, offset=offset, nbytes=n)
+        return _aio.failure(f.name, write, offset, n, done, err, eoff, en)
 
     def _prepare(self, write: bool, buffer: Any, file: FileArg, offset: Any, nbytes: Any,
                  fsync: bool) -> _Request:
@@ -1354,7 +1336,7 @@ class AioHandle:
                 setattr(s, k, getattr(s, k) + v)
 
     def _submit_parts(self, req: _Request, slices: list[tuple[int, int]], sync: bool,
-                      token: Any) -> list[tuple[_Lane, int]]:
+                      token: Any) -> list[_aio.Request]:
         """Queue the slices of a contiguous host request on the lanes (holding the file).
 
         On an error part-way, what was queued stays queued (sync callers drain it) and the
@@ -1369,7 +1351,7 @@ class AioHandle:
             lanes = [self._lanes[rr]]
         else:
             lanes = self._lanes
-        submitted: list[tuple[_Lane, int]] = []
+        submitted: list[_aio.Request] = []
         fd = f.use()
         try:
             for lane, (start, nbytes) in zip(lanes, slices):
@@ -1377,10 +1359,9 @@ class AioHandle:
                     lane.ring.ensure()
                 if not sync:
                     lane.start()
-                rid = lane.queue.submit(fd, req.write, mem.address + start, nbytes,
-                                        req.offset + start, mode, f.off_align, block, f.state,
-                                        fsync, sync, token)
-                submitted.append((lane, rid))
+                submitted.append(lane.queue.submit(
+                    fd, req.write, mem.address + start, nbytes, req.offset + start, mode,
+                    f.off_align, block, f.state, fsync, sync, token, f.name, mem.owner))
         except BaseException as exc:
             exc.__aioswap_submitted__ = submitted      # type: ignore[attr-defined]
             if not submitted:
@@ -1439,14 +1420,15 @@ class AioHandle:
             if hold is not None:
                 pinned.registry.unhold(hold)
             raise
-        results: list[tuple[int, int, int, int, bool]] = []
+        waited = 0
         try:
-            for lane, rid in subs:
-                results.append(lane.queue.wait(rid))
+            for rq in subs:
+                rq.wait(False)                  # errors are gathered below
+                waited += 1
         except BaseException:
             # a signal handler raised in wait(), which drained its own slice: cancel and
             # drain the others before unwinding, so nothing writes the caller's memory later
-            _drain(subs[len(results) + 1:])
+            _drain(subs[waited + 1:])
             raise
         finally:
             req.file.unuse()
@@ -1454,9 +1436,9 @@ class AioHandle:
                 pinned.registry.unhold(hold)
         done = 0
         first: BaseException | None = None
-        for res in results:
-            done += res[0]
-            err = self._result_error(req, *res)
+        for rq in subs:
+            done += rq.done
+            err = self._slice_error(req, rq)
             if err is not None and first is None:
                 first = err
         if first is not None:
@@ -1494,9 +1476,9 @@ class AioHandle:
                 pinned.registry.unhold(hold)
             raise
         try:
-            rid = lane.queue.submit(fd, req.write, mem.address, n, req.offset, mode,
-                                    f.off_align, self._block(f), f.state, req.fsync, sync,
-                                    token)
+            rq = lane.queue.submit(fd, req.write, mem.address, n, req.offset, mode,
+                                   f.off_align, self._block(f), f.state, req.fsync, sync,
+                                   token, f.name, mem.owner)
         except BaseException:
             f.unuse()
             if hold is not None:
@@ -1504,34 +1486,34 @@ class AioHandle:
             raise
         with self._lock:
             self._count_paths(mode, edges, middle)
-        return _Queued(req, lane, rid, hold)
+        return _Queued(req, lane, rq, hold)
 
-    def _finish_one(self, q: _Queued,
-                    res: tuple[int, int, int, int, bool] | None = None) -> int:
-        """Wait for (unless ``res`` is given) and account a sync request from _queue_one."""
-        req = q.req
+    def _finish_one(self, q: _Queued, drain: bool = False) -> int:
+        """Wait for (``drain``: without looking at signals) and account a sync request
+        from _queue_one."""
+        req, rq = q.req, q.rq
         try:
-            if res is None:
-                res = q.lane.queue.wait(q.rid)
+            # only a signal handler's exception comes out here (the queue drained the
+            # request first); the request's own error is raised below
+            rq.drain(False) if drain else rq.wait(False)
         finally:
             req.file.unuse()
             if q.hold is not None:
                 pinned.registry.unhold(q.hold)
-        done, err, _, _, eof = res
+        exc = rq.error()
         with self._lock:
-            self._count_outcome(req.write, done, bool(err or eof))
-        if err or eof:
-            exc = self._result_error(req, *res)
-            assert exc is not None
+            self._count_outcome(req.write, rq.done, exc is not None)
+        if exc is not None:
             raise exc
-        return done
+        return int(rq.done)
 
-    def _result_error(self, req: _Request, done: int, err: int, eoff: int, en: int,
-                      eof: bool) -> BaseException | None:
-        if err or eof:
-            return self._error(req.write, req.file, req.offset, req.nbytes, done, err, eoff,
-                               en)
-        return None
+    def _slice_error(self, req: _Request, rq: _aio.Request) -> BaseException | None:
+        """The error of one slice of ``req`` (None if it succeeded), naming the request."""
+        if not (rq.errno or rq.eof):
+            return None
+        eoff, en = rq.failed_at
+        return self._error(req.write, req.file, req.offset, req.nbytes, rq.done, rq.errno,
+                           eoff, en)
 
     def _staged(self, req: _Request) -> int:
         """A non-contiguous (or conjugate/negative) buffer through a contiguous copy."""
@@ -1729,12 +1711,12 @@ def _integer(value: Any, what: str, file: Any) -> int:
                         f"for {describe(file)}") from None
 
 
-def _drain(subs: Sequence[tuple[_Lane, int]]) -> None:
+def _drain(subs: Sequence[_aio.Request]) -> None:
     """Cancel queued slices and wait for what of them is in flight."""
-    for lane, rid in subs:
-        lane.queue.cancel(rid)
-    for lane, rid in subs:
-        lane.queue.drain(rid)
+    for rq in subs:
+        rq.cancel()
+    for rq in subs:
+        rq.drain(False)
 
 
 def _contiguous_like(mem: Buffer, write: bool) -> Any:

@@ -1,4 +1,4 @@
-"""Many small requests: aioswap against fio (libaio) and os.preadv/os.pwritev, one run.
+"""Many small requests: aioswap against fio (libaio, io_uring) and os.preadv/os.pwritev.
 
 Random O_DIRECT reads and writes of 4 KiB, 64 KiB and 256 KiB on one file into page-locked
 memory, measured side by side (methods run in a new, seeded random order each round; the
@@ -14,8 +14,18 @@ median of the rounds is shown with its spread):
 * ``batch x32``: ``h.pread_many`` of 32 requests (no futures)
 * ``fio qd32``: fio libaio, iodepth 32
 
+Then the engine backends side by side (``--backends``, default every one that works here):
+32 async requests through an open file on a handle of each backend, against fio's libaio
+and io_uring engines (``fixedbufs``, ``registerfiles``, no sqpoll) at iodepth 32, with CPU
+microseconds per I/O of each (aioswap: ``resource.getrusage``; fio: its usr+sys CPU).
+
 Then large transfers (``--large``, bs 1 MiB, qd 32): direct (pinned) and bounce (unpinned,
 misaligned tensor) against fio, with CPU seconds per GiB of each (``resource.getrusage``).
+
+``--buffered SIZE`` adds cold-cache buffered random reads (a file of SIZE, page cache
+dropped before each measurement: ``drop_caches`` as root, else ``POSIX_FADV_DONTNEED``),
+64 KiB and 1 MiB, 32 in flight: every backend with ``AIOSWAP_BUFFERED=1`` against fio
+io_uring and libaio with ``--direct=0``.
 
 Units: IOPS and GB/s (10^9 B/s); ratios are aioswap / other (bigger is better).
 Tiny defaults make a smoke test; ``--file-size 256M --ops 20000 --large 1G`` are real sizes.
@@ -61,19 +71,143 @@ def cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def fio(path: str, rw: str, bs: int, qd: int, nbytes: int, file_size: int) -> float | None:
-    """IOPS of fio's libaio engine, or None when fio is missing."""
+def fio(path: str, rw: str, bs: int, qd: int, nbytes: int, file_size: int,
+        engine: str = "libaio", direct: bool = True, cpu: list[float] | None = None
+        ) -> float | None:
+    """IOPS of one fio job (``engine``: libaio, or io_uring with fixed buffers and files),
+    or None when fio is missing; ``cpu`` gets fio's CPU microseconds per I/O appended."""
     exe = shutil.which("fio")
     if exe is None:
         return None
     cmd = [exe, "--name=b", f"--filename={path}", f"--rw={rw}", f"--bs={bs}",
-           f"--iodepth={qd}", "--ioengine=libaio", "--direct=1", f"--size={file_size}",
-           f"--io_size={nbytes}", "--norandommap", "--randrepeat=0", "--output-format=json",
-           "--group_reporting"]
+           f"--iodepth={qd}", f"--ioengine={engine}", f"--direct={int(direct)}",
+           f"--size={file_size}", f"--io_size={nbytes}", "--norandommap", "--randrepeat=0",
+           "--output-format=json", "--group_reporting"]
+    if engine == "io_uring":
+        cmd += ["--fixedbufs=1", "--registerfiles=1"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     job = json.loads(out[out.index("{"):])["jobs"][0]
     side = job["read" if "read" in rw else "write"]
+    if cpu is not None and side["total_ios"]:
+        busy = (job["usr_cpu"] + job["sys_cpu"]) / 100 * job["job_runtime"] / 1e3   # s
+        cpu.append(busy / side["total_ios"] * 1e6)
     return float(side["iops"])
+
+
+def drop_cache(path: str) -> None:
+    """Evict a file from the page cache (all of it as root, else its clean pages)."""
+    if os.geteuid() == 0:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def run_backends(path: str, backends: list[str], sizes: list[int], ops: int, qd: int,
+                 file_size: int, ops_list: tuple[str, ...], rounds: int, buffered: bool
+                 ) -> list[dict[str, object]]:
+    """32 async requests through an open file on each backend, and fio's engines: IOPS and
+    CPU microseconds per I/O, medians of ``rounds`` (methods in a new order each round)."""
+    rows: list[dict[str, object]] = []
+    handles = {}
+    old = os.environ.get("AIOSWAP_BUFFERED")
+    if buffered:
+        os.environ["AIOSWAP_BUFFERED"] = "1"
+    try:
+        for b in backends:
+            handles[b] = aioswap.AioHandle(block_size=1 << 20, queue_depth=qd, backend=b)
+    finally:
+        if buffered:
+            if old is None:
+                del os.environ["AIOSWAP_BUFFERED"]
+            else:
+                os.environ["AIOSWAP_BUFFERED"] = old
+    try:
+        for op in ops_list:
+            write = op == "write"
+            rw = "randwrite" if write else "randread"
+            for bs in sizes:
+                buf = pinned.empty(qd * bs, torch.uint8, strict=False)
+                buf.fill_(0x5A)
+                views = [buf[i * bs:(i + 1) * bs] for i in range(qd)]
+                iops: dict[str, list[float]] = {}
+                cpu: dict[str, list[float]] = {}
+                names = [f"aioswap {b}" for b in backends] + ["fio libaio", "fio io_uring"]
+                files = {b: h.open(path, "r+") for b, h in handles.items()}
+                try:
+                    for r in range(rounds):
+                        order = list(names)
+                        random.Random(104729 * r + bs).shuffle(order)
+                        for k, name in enumerate(order):
+                            offs = offsets(ops, bs, file_size, 7000 * r + 31 * k + bs)
+                            if buffered:
+                                drop_cache(path)
+                            if name.startswith("fio "):
+                                c: list[float] = []
+                                v = fio(path, rw, bs, qd, ops * bs, file_size, name[4:],
+                                        not buffered, c)
+                                if v is not None:
+                                    iops.setdefault(name, []).append(v)
+                                    cpu.setdefault(name, []).extend(c)
+                                continue
+                            b = name.split()[1]
+                            h, f = handles[b], files[b]
+                            call = f.pwrite if write else f.pread
+                            c0, t0 = cpu_s(), time.perf_counter()
+                            for start in range(0, len(offs), qd):
+                                for i, off in enumerate(offs[start:start + qd]):
+                                    call(views[i], off, async_op=True)
+                                h.wait()
+                            dt, dc = time.perf_counter() - t0, cpu_s() - c0
+                            iops.setdefault(name, []).append(ops / dt)
+                            cpu.setdefault(name, []).append(dc / ops * 1e6)
+                finally:
+                    for f in files.values():
+                        f.close()
+                med = {k: statistics.median(v) for k, v in iops.items()}
+                cmed = {k: statistics.median(v) for k, v in cpu.items()}
+                best_fio = max((med[k] for k in ("fio libaio", "fio io_uring") if k in med),
+                               default=None)
+                ratios: dict[str, float] = {}
+                for b in backends:
+                    k = f"aioswap {b}"
+                    if best_fio:
+                        ratios[f"{k} / best fio"] = med[k] / best_fio
+                    if b != "aio" and "aioswap aio" in cmed and cmed["aioswap aio"]:
+                        ratios[f"cpu {k} / cpu aioswap aio"] = cmed[k] / cmed["aioswap aio"]
+                    if buffered and b != "aio" and "aioswap aio" in med:
+                        ratios[f"{k} / aioswap aio"] = med[k] / med["aioswap aio"]
+                if buffered and "fio io_uring" in med:
+                    for b in backends:
+                        ratios[f"aioswap {b} / fio io_uring"] = (
+                            med[f"aioswap {b}"] / med["fio io_uring"])
+                rows.append({"op": op, "size": bs, "buffered": buffered, "iops": med,
+                             "cpu_us_per_io": cmed, "ratios": ratios})
+                del buf, views
+    finally:
+        for h in handles.values():
+            h.close()
+    return rows
+
+
+def print_backends(rows: list[dict[str, object]]) -> None:
+    for row in rows:
+        kind = "buffered, cold cache" if row["buffered"] else "O_DIRECT"
+        print(f"\n{row['op']} {human(int(row['size']))} ({kind}), 32 in flight")  # type: ignore
+        iops, cpu = row["iops"], row["cpu_us_per_io"]
+        for k in iops:                                      # type: ignore[attr-defined]
+            unit = (f"{iops[k] * int(row['size']) / 1e9:7.2f} GB/s"   # type: ignore[index]
+                    if row["buffered"] or int(row["size"]) >= 1 << 20    # type: ignore
+                    else f"{iops[k]:9.0f} IOPS")                          # type: ignore
+            print(f"  {k:<18}{unit:>16}  {cpu.get(k, float('nan')):7.1f} us CPU/IO")  # type: ignore
+        for k, v in row["ratios"].items():                  # type: ignore[attr-defined]
+            print(f"    {k:<44}{v:6.2f}x")
 
 
 def offsets(n: int, bs: int, file_size: int, seed: int) -> list[int]:
@@ -251,6 +385,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--large", type=size, default=size("32M"),
                     help="size of the large-transfer test (default 32M; real: 1G; 0 skips)")
     ap.add_argument("--no-write", action="store_true", help="reads only")
+    ap.add_argument("--backends", default=None,
+                    help="engine backends to compare (default: every one that works here; "
+                         "'none' skips the comparison)")
+    ap.add_argument("--backend-sizes", default="4K,64K,1M",
+                    help="request sizes of the backend comparison (default 4K,64K,1M)")
+    ap.add_argument("--buffered", type=size, default=0,
+                    help="also cold-cache buffered random reads on a file of this size "
+                         "(real: 1G; default 0: skipped)")
     ap.add_argument("--json", action="store_true",
                     help="print one JSON object (median IOPS and ratios) instead of tables")
     a = ap.parse_args(argv)
@@ -294,6 +436,42 @@ def main(argv: list[str] | None = None) -> int:
                             vs = VERSUS.get(k)
                             rel = f"{ratio(r[k], r[vs]):>7} vs {vs}" if vs else ""
                             print(f"  {k:<16}{fmt(r[k]):>18}  {rel}", flush=True)
+                if a.backends is None:
+                    backends = [b for b in ("io_uring", "aio", "threads")
+                                if aioswap.aio_available(b)[0]]
+                elif a.backends == "none":
+                    backends = []
+                else:
+                    backends = a.backends.split(",")
+                if backends:
+                    rows = run_backends(path, backends, [size(x) for x in
+                                                         a.backend_sizes.split(",")],
+                                        a.ops, a.qd, a.file_size,
+                                        ("read",) if a.no_write else ("read", "write"),
+                                        a.repeat, False)
+                    out["backends"] = rows
+                    if not a.json:
+                        print("\nBackends (CPU per I/O: aioswap from getrusage of this "
+                              "process, fio from its usr+sys)")
+                        print_backends(rows)
+                if a.buffered and backends:
+                    bpath = path + ".buffered"
+                    try:
+                        with aioswap.AioHandle(block_size=1 << 20) as hb:
+                            fill = pinned.empty(64 << 20, torch.uint8, strict=False)
+                            fill.fill_(0x33)
+                            for off in range(0, a.buffered, fill.numel()):
+                                hb.pwrite(fill[:min(fill.numel(), a.buffered - off)], bpath,
+                                          off)
+                            del fill
+                        rows = run_backends(bpath, backends, [64 << 10, 1 << 20],
+                                            max(a.ops // 4, 32), a.qd, a.buffered,
+                                            ("read",), a.repeat, True)
+                    finally:
+                        os.unlink(bpath)
+                    out["buffered"] = rows
+                    if not a.json:
+                        print_backends(rows)
                 if a.json:
                     print(json.dumps(out))
             finally:

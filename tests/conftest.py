@@ -34,3 +34,20 @@ def tmp_dir(disk_root: Path, tmp_path: Path) -> Path:
     if not os.environ.get(_ENV_DIR):
         return tmp_path
     return Path(tempfile.mkdtemp(dir=disk_root))
+
+
+#: The engine's backends; suites that touch the engine run on each one that works here.
+ENGINE_BACKENDS = ("io_uring", "aio", "threads")
+
+
+@pytest.fixture(params=ENGINE_BACKENDS)
+def engine_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """One engine backend (handles and subprocesses get it through ``AIOSWAP_BACKEND``);
+    skipped, with the kernel's reason, where it cannot be set up."""
+    from aioswap import _aio
+
+    ok, why = _aio.aio_available(request.param)
+    if not ok:
+        pytest.skip(f"backend {request.param} does not work here: {why}")
+    monkeypatch.setenv("AIOSWAP_BACKEND", request.param)
+    return str(request.param)

@@ -23,6 +23,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -32,9 +33,9 @@ from hypothesis import strategies as st
 
 import aioswap
 from aioswap import _aio
-from aioswap._aio import (MODE_BOUNCE, MODE_DIRECT, MODE_PLAIN, AioQueue, FileState,
-                          LockedMemory, aio_available, dio_alignment, open_direct)
-from aioswap.errors import DirectIOUnsupportedError, HandleClosedError
+from aioswap._aio import (MODE_BOUNCE, MODE_DIRECT, MODE_PLAIN, FileState,
+                          LockedMemory, Request, aio_available, dio_alignment, open_direct)
+from aioswap.errors import DirectIOUnsupportedError, HandleClosedError, ShortReadError
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -117,6 +118,25 @@ def _file_bytes(path: Path) -> bytes:
         return f.read()
 
 
+# Every test runs on each engine backend that works here (the queue logic is shared; what
+# differs is how pieces reach the kernel); subprocesses get it through AIOSWAP_BACKEND.
+_ENGINE = {"backend": "auto"}
+
+
+@pytest.fixture(autouse=True)
+def backend(engine_backend: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setitem(_ENGINE, "backend", engine_backend)
+    return engine_backend
+
+
+def AioQueue(depth: int, **knobs: Any) -> _aio.AioQueue:
+    """A queue on the backend under test."""
+    knobs.setdefault("backend", _ENGINE["backend"])
+    q = _aio.AioQueue(depth, **knobs)
+    assert q.backend == knobs["backend"]
+    return q
+
+
 @contextlib.contextmanager
 def _queue(depth: int, **knobs) -> Iterator[AioQueue]:
     q = AioQueue(depth, **knobs)
@@ -128,9 +148,19 @@ def _queue(depth: int, **knobs) -> Iterator[AioQueue]:
 
 def _submit(q: AioQueue, fd: int, write: bool, addr: int, nbytes: int, offset: int = 0, *,
             mode: int = MODE_DIRECT, align: int = 1, block: int = MiB,
-            file: FileState | None = None) -> int:
-    """Queue one sync request; its id (for ``q.wait``)."""
+            file: FileState | None = None) -> Request:
+    """Queue one sync request (finish it with ``_res``)."""
     return q.submit(fd, write, addr, nbytes, offset, mode, align, block, file, False, True)
+
+
+def _res(rq: Request) -> tuple[int, int, int, int, bool]:
+    """Finish a sync request (a signal handler's exception propagates, as from ``wait``):
+    ``(done, err, err_offset, err_nbytes, eof)``."""
+    try:
+        rq.wait()
+    except (OSError, EOFError):
+        assert rq.finished and rq.error() is not None
+    return (rq.done, rq.errno, *rq.failed_at, rq.eof)
 
 
 def _io(q: AioQueue, fd: int, write: bool, addr: int, nbytes: int, offset: int = 0, *,
@@ -139,12 +169,19 @@ def _io(q: AioQueue, fd: int, write: bool, addr: int, nbytes: int, offset: int =
     """One sync request: ``(done, err, err_offset, err_nbytes, eof)``.
 
     ``route="run"`` goes through :meth:`AioQueue.run`, which serves a request of one aligned
-    piece with a plain ``pread``/``pwrite`` in this thread.
+    piece with a plain ``pread``/``pwrite`` in this thread and raises the request's error
+    (built by :func:`aioswap._aio.failure`, whose attributes give the same tuple back).
     """
     if route == "run":
-        return q.run(fd, write, addr, nbytes, offset, mode, align, block, file)
-    return q.wait(_submit(q, fd, write, addr, nbytes, offset, mode=mode, align=align,
-                          block=block, file=file))
+        try:
+            return (q.run(fd, write, addr, nbytes, offset, mode, align, block, file), 0, 0,
+                    0, False)
+        except ShortReadError as exc:
+            return (exc.done, 0, exc.eof_offset, exc.eof_nbytes, True)
+        except OSError as exc:
+            return (exc.done, exc.errno, exc.offset, exc.nbytes, False)
+    return _res(_submit(q, fd, write, addr, nbytes, offset, mode=mode, align=align,
+                        block=block, file=file))
 
 
 def _ok(res: tuple[int, int, int, int, bool], nbytes: int) -> None:
@@ -321,7 +358,7 @@ def test_many_requests_in_one_queue(tmp_dir, align, block_size, single_submit, o
     def run_all(q: AioQueue, fd: int, write: bool) -> None:
         rids = [_submit(q, fd, write, a + m, n, off, **knobs) for m, n, off in layout]
         for rid, (_, n, _) in zip(rids, layout):
-            _ok(q.wait(rid), n)
+            _ok(_res(rid), n)
 
     pieces = [os.urandom(n) for _, n, _ in layout]
     for (m, _, _), p in zip(layout, pieces):
@@ -550,14 +587,18 @@ RLIMIT_CHILD = textwrap.dedent("""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)    # else the kernel kills us instead of EFBIG
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    q = AioQueue(4, single_submit=ss, overlap_events=ov)
+    q = AioQueue(4, single_submit=ss, overlap_events=ov,
+                 backend=os.environ.get("AIOSWAP_BACKEND", "auto"))
     try:
-        done, err, eoff, en, eof = q.wait(q.submit(fd, True, mem.address, len(data), 0,
-                                                   MODE_DIRECT, align, 64 << 10, None, False,
-                                                   True))
+        rq = q.submit(fd, True, mem.address, len(data), 0, MODE_DIRECT, align, 64 << 10,
+                      None, False, True)
+        rq.drain(False)
+        done, err, (eoff, en), eof = rq.done, rq.errno, rq.failed_at, rq.eof
         # the queue survives a failed request
-        after = q.wait(q.submit(fd, True, mem.address, 4096, 0, MODE_DIRECT, align, 4096,
-                                None, False, True))
+        rq = q.submit(fd, True, mem.address, 4096, 0, MODE_DIRECT, align, 4096, None, False,
+                      True)
+        rq.drain(False)
+        after = (rq.done, rq.errno, *rq.failed_at, rq.eof)
     finally:
         q.close()
     print(json.dumps({"done": done, "errno": err, "offset": eoff, "eof": eof,
@@ -790,9 +831,20 @@ def _open_fds() -> set[str]:
 
 
 def _aio_rings() -> int:
-    """AIO contexts of this process: each maps its ring as '/[aio] (deleted)'."""
+    """Kernel queues of this process: AIO contexts (each maps its ring as '/[aio] (deleted)')
+    and io_uring instances (each an fd on 'anon_inode:[io_uring]')."""
     with open("/proc/self/maps") as f:
-        return sum("[aio]" in line for line in f)
+        n = sum("[aio]" in line for line in f)
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += "io_uring" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return n
+
+
+def _tasks() -> int:
+    return len(os.listdir("/proc/self/task"))
 
 
 def _aio_nr() -> int:
@@ -817,7 +869,7 @@ def test_no_leaks_after_10000_operations(tmp_dir, align):
     fds, rings, nr = _open_fds(), _aio_rings(), _aio_nr()
 
     with _queue(32) as q:
-        assert _aio_rings() == rings + 1
+        assert _aio_rings() == rings + (q.backend != "threads")
         fd = open_direct(path, write=True)
         try:
             a = mem.address
@@ -832,8 +884,8 @@ def test_no_leaks_after_10000_operations(tmp_dir, align):
                 elif kind == 6:                          # two requests in flight together
                     r1 = _submit(q, fd, False, a, align, off, **kw)
                     r2 = _submit(q, fd, False, a + 4 * KiB, align, 0, **kw)
-                    _ok(q.wait(r1), align)
-                    _ok(q.wait(r2), align)
+                    _ok(_res(r1), align)
+                    _ok(_res(r2), align)
                 elif kind == 7:
                     assert _io(q, fd, False, a, 4 * KiB, off + 1)[1] == errno.EINVAL
                 elif kind == 8:
@@ -857,7 +909,7 @@ def test_no_leaks_after_10000_operations(tmp_dir, align):
 @pytest.mark.slow
 def test_no_leaks_after_many_queues():
     gc.collect()
-    fds, rings, nr = _open_fds(), _aio_rings(), _aio_nr()
+    fds, rings, nr, tasks = _open_fds(), _aio_rings(), _aio_nr(), _tasks()
     errors = []
 
     def churn(n):
@@ -886,6 +938,7 @@ def test_no_leaks_after_many_queues():
     assert _open_fds() == fds
     assert _aio_rings() == rings
     assert _aio_nr_back_to(nr) <= nr
+    assert _tasks() == tasks                             # worker threads joined
 
 
 def test_close_twice_and_closed_queue(tmp_dir):

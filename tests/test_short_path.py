@@ -26,6 +26,12 @@ KiB = 1 << 10
 MiB = 1 << 20
 
 
+@pytest.fixture(autouse=True)
+def backend(engine_backend: str) -> str:
+    """Every test of this suite runs on each engine backend (subprocesses inherit it)."""
+    return engine_backend
+
+
 def _rand(n: int, seed: int) -> bytes:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()

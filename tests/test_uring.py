@@ -1,0 +1,230 @@
+"""The io_uring backend: selection, every fallback forced, and the faults it absorbs.
+
+The byte-exact suites (engine, short path, reliability, requests) run on io_uring through
+the ``engine_backend`` fixture; here are the io_uring-only paths: setup refused (EPERM,
+ENOSYS) or its flags refused (EINVAL), ring registration refused (injected, and for real as
+a normal user under a small RLIMIT_MEMLOCK), completions that come back -EAGAIN or short,
+more requests than the ring holds, buffered reads, and no leak of rings over many queues.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import aioswap
+from aioswap import _aio
+from aioswap._aio import MODE_BOUNCE, MODE_DIRECT, AioQueue, LockedMemory, open_direct
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+pytestmark = pytest.mark.skipif(not _aio.aio_available("io_uring")[0],
+                                reason=f"io_uring does not work here: "
+                                       f"{_aio.aio_available('io_uring')[1]}")
+
+
+@pytest.fixture(autouse=True)
+def no_faults() -> Iterator[None]:
+    _aio._uring_inject()
+    yield
+    _aio._uring_inject()
+
+
+def _rand(n: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture
+def data_file(tmp_dir: Path) -> tuple[Path, bytes]:
+    data = _rand(8 * MiB, 3)
+    path = tmp_dir / "data.bin"
+    path.write_bytes(data)
+    return path, data
+
+
+def _round_trip(h: aioswap.AioHandle, path: Path, data: bytes) -> None:
+    """Unaligned and aligned, pinned and unpinned reads and writes, checked by os.pread."""
+    n = len(data)
+    t = torch.empty(n - 1000, dtype=torch.uint8)
+    assert h.pread(t, path, 1000) == n - 1000                       # edges, bounce
+    assert t.numpy().tobytes() == data[1000:]
+    p = aioswap.pinned.empty(n, torch.uint8, strict=False)
+    futs = [h.pread(p[i:i + 64 * KiB], path, i, async_op=True) for i in range(0, n, 64 * KiB)]
+    assert sum(f.result(timeout=60) for f in futs) == n
+    assert p.numpy().tobytes() == data
+    new = _rand(n, 11)
+    src = torch.frombuffer(bytearray(new), dtype=torch.uint8)
+    assert h.pwrite(src[7:], path, 7) == n - 7
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert os.pread(fd, n, 0) == data[:7] + new[7:]
+        os.pwrite(fd, data, 0)                      # as it was, for the next round
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("err", [errno.EPERM, errno.ENOSYS, errno.ENOMEM])
+def test_setup_refused_falls_back_quietly(err: int, data_file: tuple[Path, bytes],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    path, data = data_file
+    _aio._uring_inject(setup_errno=err)
+    q = AioQueue(8)
+    try:
+        assert q.backend == "aio"
+        assert "io_uring_setup failed" in q.why and os.strerror(err) in q.why
+        assert "using kernel AIO" in q.why
+    finally:
+        q.close()
+    with pytest.raises(OSError) as info:            # asked for by name: no fallback
+        AioQueue(8, backend="io_uring")
+    assert info.value.errno == err and "io_uring_setup" in str(info.value)
+    assert _aio.aio_available("io_uring")[0] is False
+    monkeypatch.delenv("AIOSWAP_BACKEND", raising=False)
+    with aioswap.AioHandle(queue_depth=8) as h:
+        assert h.backend == "aio" and "io_uring" in h.backend_reason
+        _round_trip(h, path, data)
+
+
+def test_flags_refused_step_down(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    q = AioQueue(8, backend="io_uring")
+    assert q.uring_flags != 0                       # this kernel takes the best set
+    q.close()
+    _aio._uring_inject(einval_flags=1)
+    q = AioQueue(8, backend="io_uring")
+    try:
+        assert q.backend == "io_uring" and q.uring_flags == 0
+    finally:
+        q.close()
+    with aioswap.AioHandle(queue_depth=8, backend="io_uring") as h:
+        assert h.backend == "io_uring"
+        _round_trip(h, path, data)
+
+
+def test_ring_registered_and_refused(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    with aioswap.AioHandle(queue_depth=8, block_size=256 * KiB, backend="io_uring") as h:
+        _round_trip(h, path, data)
+        q = h._lanes[0].queue
+        assert q.fixed_ring and q.ring_note == ""
+    _aio._uring_inject(register_errno=errno.ENOMEM)
+    with aioswap.AioHandle(queue_depth=8, block_size=256 * KiB, backend="io_uring") as h:
+        _round_trip(h, path, data)                  # plain READ/WRITE through the ring
+        q = h._lanes[0].queue
+        assert not q.fixed_ring and "Cannot allocate memory" in q.ring_note
+
+
+@pytest.mark.parametrize("fault", ["cqe_eagain", "cqe_short"])
+def test_eagain_and_short_completions_are_resubmitted(fault: str,
+                                                      data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    with aioswap.AioHandle(queue_depth=16, block_size=64 * KiB, backend="io_uring") as h:
+        _aio._uring_inject(**{fault: 200})
+        _round_trip(h, path, data)
+        left = _aio._uring_faults_left()
+        assert left[0 if fault == "cqe_eagain" else 1] < 200    # the faults were met
+        # direct pieces through the raw queue too, byte-exact
+        mem = LockedMemory(4 * MiB)
+        fd = open_direct(path)
+        try:
+            _aio._uring_inject(**{fault: 100})
+            q = h._lanes[0].queue
+            rq = q.submit(fd, False, mem.address, 4 * MiB, MiB, MODE_DIRECT, 4096, 64 * KiB,
+                          None, False, True)
+            fd2 = os.open(path, os.O_RDONLY)
+            try:
+                assert rq.wait() == 4 * MiB
+                assert bytes(memoryview(mem)) == os.pread(fd2, 4 * MiB, MiB)
+            finally:
+                os.close(fd2)
+        finally:
+            os.close(fd)
+
+
+def test_more_requests_than_the_ring_holds(data_file: tuple[Path, bytes]) -> None:
+    """A ring of depth 1 (SQ 1, CQ 2) with 64 requests of 16 pieces each queued at once."""
+    path, data = data_file
+    with aioswap.AioHandle(queue_depth=1, block_size=8 * KiB, backend="io_uring") as h:
+        bufs = [torch.empty(128 * KiB, dtype=torch.uint8) for _ in range(64)]
+        futs = [h.pread(b, path, i * 128 * KiB, async_op=True) for i, b in enumerate(bufs)]
+        assert h.wait() == 64
+        assert all(f.result() == 128 * KiB for f in futs)
+        assert b"".join(b.numpy().tobytes() for b in bufs) == data
+
+
+def test_buffered_reads_and_writes(data_file: tuple[Path, bytes],
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    path, data = data_file
+    monkeypatch.setenv("AIOSWAP_BUFFERED", "1")
+    with aioswap.AioHandle(queue_depth=32, block_size=MiB, backend="io_uring") as h:
+        with h.open(path, "r+") as f:
+            assert not f.direct
+        _round_trip(h, path, data)
+
+
+def test_bounce_pieces_through_raw_queue(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    q = AioQueue(4, backend="io_uring")
+    ring = LockedMemory(4 * 64 * KiB)
+    q.attach_ring(ring, ring.address, 64 * KiB, 4)
+    assert q.fixed_ring
+    mem = LockedMemory(MiB + 4096)
+    fd = open_direct(path)
+    try:
+        rq = q.submit(fd, False, mem.address + 3, MiB, 4096, MODE_BOUNCE, 4096, 64 * KiB, None,
+                      False, True)
+        assert rq.wait() == MiB
+        assert bytes(memoryview(mem)[3:3 + MiB]) == data[4096:4096 + MiB]
+    finally:
+        os.close(fd)
+        q.close()
+
+
+MEMLOCK_CHILD = textwrap.dedent("""
+    import os, sys, torch, aioswap
+    path = sys.argv[1]
+    with open(path, "rb") as f:
+        data = f.read()
+    with aioswap.AioHandle(queue_depth=8, block_size=1 << 20,
+                           bounce_bytes=16 << 20, backend="io_uring") as h:
+        t = torch.empty(len(data) - 5, dtype=torch.uint8)
+        assert h.pread(t, path, 5) == len(data) - 5          # through the bounce ring
+        assert t.numpy().tobytes() == data[5:]
+        q = h._lanes[0].queue
+        print("NOTE", q.fixed_ring, q.ring_note)
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None
+                    or shutil.which("prlimit") is None,
+                    reason="needs root to drop CAP_IPC_LOCK (setpriv, prlimit)")
+def test_registration_refused_without_ipc_lock_under_memlock(
+        data_file: tuple[Path, bytes]) -> None:
+    """Registering pins pages against RLIMIT_MEMLOCK for a process without CAP_IPC_LOCK: the
+    ring is refused, said so, and served with plain READ/WRITE."""
+    path, _ = data_file
+    cmd = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock",
+           "prlimit", "--memlock=1048576", sys.executable, "-c", MEMLOCK_CHILD, str(path)]
+    env = dict(os.environ, AIOSWAP_BACKEND="io_uring")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    note = [line for line in proc.stdout.splitlines() if line.startswith("NOTE")][-1]
+    assert note.startswith("NOTE False") and "registering the bounce ring" in note, note
+    assert "Cannot allocate memory" in note, note
+
+
+def test_auto_prefers_io_uring(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AIOSWAP_BACKEND", raising=False)
+    with aioswap.AioHandle(queue_depth=4) as h:
+        assert h.backend == "io_uring" and h.backend_reason == ""
+    assert _aio.backends_available()["io_uring"] == (True, "")
