@@ -1883,7 +1883,16 @@ cdef class AioQueue:
                 q.pend_head = r
             q.pend_tail = r
             pt.pthread_mutex_unlock(&q.mu)
-            _feed(q)
+            # An asynchronous request is submitted by the thread that reaps it, the
+            # completion thread (in its next round; a burst goes out in one submission), so
+            # the caller's thread only links it here. io_uring needs it so (a request
+            # completes through task work of the thread that submitted it: no other thread
+            # is woken per completion); kernel AIO gains the same (the submitting syscalls
+            # run beside the caller, 2x the IOPS of 4 KiB bursts here). A sync request goes
+            # out at once (its caller reaps it, and the slices of one request on several
+            # lanes must all be moving while it waits for the first); worker threads too.
+            if sync or q.threads != NULL:
+                _feed(q)
             if not sync:                    # the completion thread reaps for it
                 pt.pthread_mutex_lock(&q.mu)
                 _wake(q)

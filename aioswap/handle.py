@@ -739,8 +739,12 @@ class AioHandle:
                         raise
                 else:
                     queued.append(req)          # runs in turn below
+        except Exception:
+            # a bad item: what was queued before it is valid and runs to the end
+            self._abandon(queued, cancel=False)
+            raise
         except BaseException:
-            self._abandon(queued)
+            self._abandon(queued)               # a signal: stop as soon as possible
             raise
         out: list[int] = []
         first: BaseException | None = None
@@ -773,10 +777,12 @@ class AioHandle:
             raise first
         return out
 
-    def _abandon(self, queued: Sequence[_Queued | _ShortQueued | _Request]) -> None:
-        """Cancel and drain queued requests (an error or a signal stops a batch)."""
+    def _abandon(self, queued: Sequence[_Queued | _ShortQueued | _Request],
+                 cancel: bool = True) -> None:
+        """Cancel (unless not ``cancel``) and drain queued requests (an error or a signal
+        stops a batch); requests not queued yet are dropped."""
         for q in queued:
-            if not isinstance(q, _Request):
+            if cancel and not isinstance(q, _Request):
                 q.rq.cancel()
         for q in queued:
             if isinstance(q, _ShortQueued):
