@@ -72,6 +72,7 @@ class Request:
 def failure(name: Any, write: bool, offset: int, nbytes: int, done: int, err: int,
             err_offset: int, err_nbytes: int) -> BaseException: ...
 
+@disjoint_base
 class AioQueue:
     @property
     def why(self) -> str: ...
