@@ -27,6 +27,7 @@ import concurrent.futures
 import logging
 import operator
 import os
+import queue
 import sys
 import threading
 import warnings
@@ -331,6 +332,51 @@ class _Lane:
         self.ring.close()
 
 
+class _Stager:
+    """One thread for the asynchronous requests the queue cannot take as they are (strided,
+    conjugate or negative views, CUDA memory, empty requests with fsync): their copies and
+    their I/O run there, so ``async_op=True`` never blocks the caller; started on first use.
+    """
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def submit(self, job: Any) -> None:
+        if self.thread is None:
+            with self.lock:
+                if self.thread is None:
+                    t = threading.Thread(target=self._run, daemon=True, name="aioswap-stage")
+                    t.start()
+                    self.thread = t
+        self.jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            try:
+                job()
+            except BaseException:       # never let one job stop the others
+                _log.exception("aioswap: a staged request failed")
+            del job
+
+    def current(self) -> bool:
+        return self.thread is threading.current_thread()
+
+    def close(self) -> None:
+        """Let the thread end (after the jobs queued before); joined unless it is this one."""
+        with self.lock:
+            t, self.thread = self.thread, None
+        if t is None:
+            return
+        self.jobs.put(None)
+        if t is not threading.current_thread():
+            t.join()
+
+
 def _deliver(batch: list[_aio.Request]) -> None:
     """A lane's completion thread: finish a batch of requests (their futures' callbacks
     run here)."""
@@ -478,6 +524,7 @@ class AioHandle:
         self._warned_buffered = False
         self._rr = 0
         self._lanes: list[_Lane] = []
+        self._stager = _Stager()
         # the handle's own files behind path and fd arguments, by (device, inode), least
         # recently used first (see _cached)
         self._files: collections.OrderedDict[tuple[int, int], AioFile] = \
@@ -811,8 +858,8 @@ class AioHandle:
         with self._lock:
             if not self._open and not self._unwaited:
                 return 0
-            if self._open and any(lane.thread is threading.current_thread()
-                                  for lane in self._lanes):
+            if self._open and (any(lane.thread is threading.current_thread()
+                                   for lane in self._lanes) or self._stager.current()):
                 raise RuntimeError("wait() from a completion callback of the same handle "
                                    "would wait for itself; wait in another thread")
             upto = self._seq
@@ -901,7 +948,8 @@ class AioHandle:
             self._closed = True
             if self._generation != _fork_generation[0] or self._pid != os.getpid():
                 return              # a forked child: the parent's lanes and requests
-            if any(lane.thread is threading.current_thread() for lane in self._lanes):
+            if (any(lane.thread is threading.current_thread() for lane in self._lanes)
+                    or self._stager.current()):
                 # from a completion (a future's callback, or the handle's last reference
                 # dropped there): this thread still has requests to finish, so another one
                 # waits for them and frees the lanes
@@ -921,6 +969,7 @@ class AioHandle:
             f.close()
         for lane in self._lanes:
             lane.close()
+        self._stager.close()
 
     def __enter__(self) -> Self:
         return self
@@ -1566,19 +1615,29 @@ class AioHandle:
             self._stats.async_ops += 1
         mem = req.mem
         if req.nbytes == 0 or not mem.contiguous or mem.device == "cuda":
-            # rare shapes: run them here, now (their data moves through the sync path)
-            error: BaseException | None = None
+            # what goes through a contiguous copy (or cuFile, or is only an fsync): the sync
+            # path, on the handle's staging thread, so that the caller is not held up
+            def staged() -> None:
+                error: BaseException | None = None
+                done = 0
+                try:
+                    done = self._run_sync(req)
+                except BaseException as exc:
+                    error = exc
+                self._release(req)
+                with self._lock:
+                    self._finished_locked(outcome, error)
+                if error is None:
+                    fut.set_result(done)
+                else:
+                    fut.set_exception(error)
             try:
-                done = self._run_sync(req)
-            except BaseException as exc:
-                error = exc
-            self._release(req)
-            with self._lock:
-                self._finished_locked(outcome, error)
-            if error is None:
-                fut.set_result(done)
-            else:
-                fut.set_exception(error)
+                self._stager.submit(staged)
+            except BaseException:               # no thread could be started
+                with self._lock:
+                    self._finished_locked(outcome, None, counted=False)
+                self._release(req)
+                raise
             return fut
         slices = self._slices(req)
         if len(slices) == 1:
