@@ -64,8 +64,13 @@ class Ring:
                 # strict=False: without CAP_IPC_LOCK and a large RLIMIT_MEMLOCK the ring is
                 # aligned but unlocked (one warning); O_DIRECT needs alignment, not locking.
                 mem = pinned.allocate(self.nbytes, strict=False)
-                self._queue.attach_ring(mem, mem.address, self.buffer_bytes, self.buffers)
-                self._mem = mem
+                try:
+                    self._queue.attach_ring(mem, mem.address, self.buffer_bytes, self.buffers)
+                finally:
+                    # attached, even when a signal handler raised on the call's return (io_uring
+                    # registers the ring in the call: a SIGINT lands there)
+                    if self._queue.ring_buffers:
+                        self._mem = mem
 
     def host_tensor(self, nbytes: int) -> Any:
         """A uint8 tensor over the start of the ring (CUDA staging; the ring is idle)."""

@@ -240,3 +240,26 @@ def test_dropped_future_completes_and_frees(backend: str,
         t = torch.empty(MiB, dtype=torch.uint8)
         h.pread(t, path, MiB, async_op=True).result(timeout=60)
         assert t.numpy().tobytes() == data[MiB:2 * MiB]
+
+
+def test_ring_attached_when_a_signal_lands_on_the_call(backend: str) -> None:
+    """A signal handler that raises as attach_ring returns (io_uring registers the ring in
+    that call, long enough for a SIGINT to land) leaves the ring known as attached: the next
+    request does not attach it a second time."""
+    from aioswap import _bounce
+
+    class Interrupted(AioQueue):
+        def attach_ring(self, *args: object) -> None:
+            super().attach_ring(*args)
+            raise KeyboardInterrupt
+
+    q = Interrupted(4, backend=backend)
+    try:
+        ring = _bounce.Ring(q, 64 * KiB, 2)
+        with pytest.raises(KeyboardInterrupt):
+            ring.ensure()
+        assert ring.attached and q.ring_buffers == 2
+        ring.ensure()                           # no "the ring is already attached"
+    finally:
+        q.close()
+        ring.close()
