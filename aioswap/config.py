@@ -408,8 +408,8 @@ class RuntimeSettings:
 
 
 #: The engine's kernel interfaces (``AIOSWAP_BACKEND``, ``AioHandle(backend=...)``):
-#: io_uring, kernel AIO, positional I/O on worker threads, or "auto" (the first of those the
-#: kernel allows here).
+#: io_uring, kernel AIO, positional I/O on worker threads, or "auto" (kernel AIO, threads
+#: where it is refused).
 _BACKENDS = ("auto", "io_uring", "aio", "threads")
 
 

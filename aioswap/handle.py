@@ -433,7 +433,7 @@ class _Async:
 
 
 class AioHandle:
-    """Reads and writes tensors and buffers to files with io_uring or kernel AIO.
+    """Reads and writes tensors and buffers to files with kernel AIO (or io_uring).
 
     Parameters
     ----------
@@ -574,16 +574,16 @@ class AioHandle:
     def backend(self) -> str:
         """The kernel interface the lanes run on: ``"io_uring"``, ``"aio"`` or ``"threads"``.
 
-        ``backend="auto"`` (the default, or ``AIOSWAP_BACKEND``) is io_uring where the kernel
-        sets up a ring, else kernel AIO, else worker threads doing ``pread``/``pwrite``
-        (``kernel.io_uring_disabled``, ``aio-max-nr`` exhausted, a container's seccomp
-        profile); :attr:`backend_reason` says why when it is not io_uring.
+        ``backend="auto"`` (the default, or ``AIOSWAP_BACKEND``) is kernel AIO, else worker
+        threads doing ``pread``/``pwrite`` (``aio-max-nr`` exhausted, a seccomp profile);
+        :attr:`backend_reason` says why. io_uring runs when asked for
+        (``backend="io_uring"``).
         """
         return str(self._lanes[0].queue.backend)
 
     @property
     def backend_reason(self) -> str:
-        """Why :attr:`backend` is what it is ("" for io_uring chosen by "auto", "asked for"
+        """Why :attr:`backend` is what it is ("" for kernel AIO chosen by "auto", "asked for"
         when named)."""
         return str(self._lanes[0].queue.why)
 
