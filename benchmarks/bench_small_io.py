@@ -23,7 +23,7 @@ Then large transfers (``--large``, bs 1 MiB, qd 32): direct (pinned) and bounce 
 misaligned tensor) against fio, with CPU seconds per GiB of each (``resource.getrusage``).
 
 ``--buffered SIZE`` adds cold-cache buffered random reads (a file of SIZE, page cache
-dropped before each measurement: ``drop_caches`` as root, else ``POSIX_FADV_DONTNEED``),
+dropped before each measurement: fsync + ``POSIX_FADV_DONTNEED``),
 64 KiB and 1 MiB, 32 in flight: every backend with ``AIOSWAP_BUFFERED=1`` against fio
 io_uring and libaio with ``--direct=0``.
 
@@ -48,6 +48,7 @@ import torch
 
 import aioswap
 from aioswap import pinned
+from aioswap.tune import drop_cache   # fsync + POSIX_FADV_DONTNEED, as every bench
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -92,21 +93,6 @@ def fio(path: str, rw: str, bs: int, qd: int, nbytes: int, file_size: int,
         busy = (job["usr_cpu"] + job["sys_cpu"]) / 100 * job["job_runtime"] / 1e3   # s
         cpu.append(busy / side["total_ios"] * 1e6)
     return float(side["iops"])
-
-
-def drop_cache(path: str) -> None:
-    """Evict a file from the page cache (all of it as root, else its clean pages)."""
-    if os.geteuid() == 0:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1")
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def run_backends(path: str, backends: list[str], sizes: list[int], ops: int, qd: int,
