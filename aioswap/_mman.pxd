@@ -3,7 +3,6 @@
 
 cdef extern from "<sys/mman.h>" nogil:
     int madvise(void* addr, size_t length, int advice)
-    int MADV_HUGEPAGE
 
 # Linux 5.14; the value is the kernel's (older headers lack the name)
 cdef enum:

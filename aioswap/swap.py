@@ -1169,8 +1169,20 @@ class TensorSwapper:
                     p.pin = True
                     left -= 0 if pin else padded
 
-        def prepare(group: list[_ReadPlan]) -> None:
-            for p in group:
+        # Lanes take the next plan as they free up (in file order), so big and small tensors
+        # spread over them whatever their order: a fixed split (every other tensor) handed
+        # one lane every weight and the other every bias.
+        def pull(order: list[_ReadPlan]) -> Callable[[], _ReadPlan | None]:
+            it = iter(order)
+            mu = threading.Lock()
+
+            def take() -> _ReadPlan | None:
+                with mu:
+                    return next(it, None)
+            return take
+
+        def prepare(take: Callable[[], _ReadPlan | None]) -> None:
+            while (p := take()) is not None:
                 try:
                     self._allocate(p)
                     self._submit(p, fds[p.entry.file], verify)
@@ -1182,8 +1194,8 @@ class TensorSwapper:
         # Fresh memory is faulted in (zeroed, or locked) as it is allocated; several threads
         # do that, each submitting its tensors' reads as soon as their memory is there, so
         # the faults run in parallel with each other and with the reads in flight.
-        def check(group: list[_ReadPlan]) -> None:
-            for p in group:
+        def check(take: Callable[[], _ReadPlan | None]) -> None:
+            while (p := take()) is not None:
                 p.ready.wait()
                 if p.error is None:
                     try:
@@ -1198,22 +1210,22 @@ class TensorSwapper:
         try:
             try:
                 if lanes > 1:
-                    groups = [self._alloc_pool().submit(prepare, active[j::lanes])
-                              for j in range(lanes)]
+                    take = pull(active)
+                    groups = [self._alloc_pool().submit(prepare, take) for _ in range(lanes)]
                 else:
-                    prepare(active)
+                    prepare(pull(active))
                 # hash once every read is queued: on a busy machine the hashing would
                 # otherwise take CPU from the lanes, and the reads would be queued later
                 concurrent.futures.wait(groups)
                 if verify and lanes > 1:
                     # then on every lane: tensors are hashed as they land, on all cores
                     # (xxh3 releases the GIL), while the later reads are still in flight
-                    checks = [self._alloc_pool().submit(check, active[j::lanes])
-                              for j in range(lanes)]
+                    take = pull(active)
+                    checks = [self._alloc_pool().submit(check, take) for _ in range(lanes)]
                     for c in checks:
                         c.result()
                 else:
-                    check(active)
+                    check(pull(active))
             finally:
                 concurrent.futures.wait(checks)     # no thread touches a plan after this
                 concurrent.futures.wait(groups)

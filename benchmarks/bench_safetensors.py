@@ -19,15 +19,18 @@ Each round runs, in turn:
 Loads read the same file (written by safetensors). Before every load the file's page cache is
 dropped (``posix_fadvise(DONTNEED)``, or also ``/proc/sys/vm/drop_caches`` with
 ``--drop-caches sysctl``, as root) and after it every page of the result is touched, so the
-time includes reading every byte from the disk. Methods alternate within each round; the
-table gives the median of ``--repeat`` rounds with the spread (min-max), GB/s = 10^9 B/s, and
-ratios aioswap/other (bigger is better).
+time includes reading every byte from the disk; freeing the result is on the clock too.
+Warm loads run in this process (memory it already used); then ``--cold`` rounds (default
+``--repeat``) load in a fresh process each (``benchmarks/_cold.py``: allocation included).
+Methods alternate within each round; the table gives the median of the rounds with the
+spread (min-max), GB/s = 10^9 B/s, and ratios aioswap/other (bigger is better).
 
     python benchmarks/bench_safetensors.py --dir /nvme --layers 12 --hidden 1024 --repeat 5
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -37,6 +40,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
+import _cold as cold
 import torch
 
 import aioswap
@@ -85,6 +89,14 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
         for k in a)
 
 
+def freed(d: dict[str, torch.Tensor]) -> float:
+    """Seconds to free the tensors of ``d`` (the caller's last reference to them)."""
+    t0 = time.perf_counter()
+    d.clear()
+    gc.collect()
+    return time.perf_counter() - t0
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     t0 = time.perf_counter()
     r = fn()
@@ -102,10 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drop-caches", choices=["fadvise", "sysctl"], default="fadvise",
                    help="fadvise: posix_fadvise(DONTNEED) on the file; sysctl: also "
                         "echo 1 > /proc/sys/vm/drop_caches (root)")
+    p.add_argument("--cold", type=int, default=None,
+                   help="cold loads per method, each in a fresh process (default: --repeat)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     a = p.parse_args(argv)
     if a.layers < 1 or a.hidden < 1 or a.repeat < 1:
         p.error("--layers, --hidden and --repeat must be >= 1")
+    if a.cold is None:
+        a.cold = a.repeat
+    if a.cold < 0:
+        p.error("--cold must be >= 0")
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -138,8 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             def aio_load() -> float:
                 drop_cache(ref, a.drop_caches)
                 dt, got = timed(lambda: touched(ast.load_file(ref, handle=h)))
-                del got                     # freed after the clock stopped, as for the others
-                return dt
+                return dt + freed(got)
 
             def st_save() -> float:
                 out = os.path.join(work, "st.safetensors")
@@ -158,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             def st_load() -> float:
                 drop_cache(ref, a.drop_caches)
                 dt, got = timed(lambda: touched(st.load_file(ref)))
-                del got
-                return dt
+                return dt + freed(got)
 
             def direct_save() -> float:
                 out = os.path.join(work, "direct.bin")
@@ -195,31 +211,45 @@ def main(argv: list[str] | None = None) -> int:
             for rnd in range(a.repeat):
                 for name, (save, load) in methods.items():
                     w, r = save(), load()
-                    t = times.setdefault(name, {"save": [], "load": []})
+                    t = times.setdefault(name, {"save": [], "load": [], "cold": []})
                     t["save"].append(w)
                     t["load"].append(r)
                     log(f"round {rnd + 1}/{a.repeat}: {name} save {total / w / 1e9:.2f} GB/s, "
-                        f"load {total / r / 1e9:.2f} GB/s")
+                        f"warm load {total / r / 1e9:.2f} GB/s")
+            # cold: each load in a fresh process, allocation and freeing on the clock
+            cold_of = {"aioswap": ("aioswap-safetensors", want := cold.digest(sd)),
+                       "safetensors": ("safetensors", want),
+                       "direct": ("direct", cold.digest({"x": one}))}
+            for rnd in range(a.cold):
+                for name in methods:
+                    method, digest = cold_of[name]
+                    drop_cache(ref, a.drop_caches)
+                    got = cold.run_cold(method, ref)
+                    if got["digest"] != digest:
+                        raise SystemExit(f"cold {method} load read back different bytes")
+                    times[name]["cold"].append(got["total_s"])
+                    log(f"cold {rnd + 1}/{a.cold}: {name} load "
+                        f"{total / got['total_s'] / 1e9:.2f} GB/s")
     finally:
         shutil.rmtree(work, ignore_errors=True)     # the temporary directory made above
 
     labels = {"aioswap": "aioswap.safetensors", "safetensors": "safetensors.torch (+fsync)",
-              "direct": "direct: 1 transfer, pinned"}
+              "direct": "direct: 1 locked transfer (warm: no alloc/free)"}
     res: dict[str, Any] = {
         "bytes": total, "file_bytes": fsize, "tensors": len(sd), "layers": a.layers,
         "hidden": a.hidden, "repeat": a.repeat, "block_size": a.block_size,
         "queue_depth": a.queue_depth, "drop_caches": a.drop_caches, "methods": {}}
     for name, t in times.items():
         row: dict[str, Any] = {"label": labels[name]}
-        for op in ("save", "load"):
+        for op in ("save", "load", "cold"):
             gbps = [total / s / 1e9 for s in t[op]]
-            row[f"{op}_GBps"] = statistics.median(gbps)
+            row[f"{op}_GBps"] = statistics.median(gbps) if gbps else float("nan")
             row[f"{op}_GBps_all"] = gbps
         res["methods"][name] = row
     ratios = {}
     for other in res["methods"]:
         if other != "aioswap":
-            for op in ("save", "load"):
+            for op in ("save", "load", "cold"):
                 ratios[f"aioswap/{other} {op}"] = (res["methods"]["aioswap"][f"{op}_GBps"]
                                                    / res["methods"][other][f"{op}_GBps"])
     res["ratios"] = ratios
@@ -234,13 +264,17 @@ def main(argv: list[str] | None = None) -> int:
           f"float32, param + Adam m/v); median of {a.repeat} rounds (spread min-max); page "
           f"cache dropped before loads with {how}, every page of the result touched; "
           f"GB/s = 10^9 B/s; ratios aioswap/other, bigger is better")
-    print(f"{'method':<30}{'save GB/s':>10}{'spread':>14}{'load GB/s':>11}{'spread':>14}")
+    print("load = warm: in this process, on memory it already used; cold: a fresh process "
+          "per load, allocating and freeing on the clock")
+    print(f"{'method':<48}{'save GB/s':>10}{'spread':>12}{'load GB/s':>11}{'spread':>12}"
+          f"{'cold GB/s':>11}{'spread':>12}")
     for name, row in res["methods"].items():
         cells = []
-        for op in ("save", "load"):
+        for op in ("save", "load", "cold"):
             v = row[f"{op}_GBps_all"]
-            cells.append(f"{row[f'{op}_GBps']:>10.2f}{f'{min(v):.2f}-{max(v):.2f}':>14}")
-        print(f"{row['label']:<30}{cells[0]}{' ' + cells[1]}")
+            spread = f"{min(v):.2f}-{max(v):.2f}" if v else "-"
+            cells.append(f"{row[f'{op}_GBps']:>10.2f}{spread:>12}")
+        print(f"{row['label']:<48}{' '.join(cells)}")
     for key, v in ratios.items():
         print(f"ratio {key}: x{v:.2f}")
     for note in res.get("notes", []):

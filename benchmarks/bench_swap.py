@@ -19,6 +19,13 @@ Methods, in one run, alternating (the starting method rotates each round):
 * direct: the same bytes as one page-locked buffer, ``AioHandle.pwrite(fsync=True)`` / ``pread``
   (a reference: one transfer of the same bytes, which a packed swap can beat).
 
+Warm rounds run each method in this process, on memory the process already used (freed
+locked memory is kept for reuse). Then come ``--cold`` rounds (default: ``--repeat``): each
+load in a fresh process (``benchmarks/_cold.py``), the clock covering the loader, allocating
+fresh memory, reading, touching and freeing, which is what a user who loads a state dict once
+pays. ``direct``'s warm load reads into a buffer allocated up front (no allocation, no free);
+its cold load allocates one locked buffer of the whole size.
+
 Before every load, the files are fsynced and dropped from the page cache
 (``posix_fadvise(DONTNEED)``; ``--drop-caches sysctl`` also writes ``/proc/sys/vm/drop_caches``,
 as root). After every load, one byte of every page of every tensor is read (inside the
@@ -31,6 +38,7 @@ better: above 1, aioswap is faster).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -42,6 +50,7 @@ from typing import Any, Callable
 
 import torch
 from _common import GB, UNITS_NOTE, format_size, orders, print_table
+import _cold as cold
 from _common import drop_cache as _drop_cache
 
 import aioswap
@@ -82,8 +91,8 @@ def make_state_dict(layers: int, hidden: int, ffn: int, states: int) -> dict[str
     for i in range(layers):
         p = f"layers.{i}."
         for w in ("q", "k", "v", "o"):
-            shapes += [(p + f"attn.{w}.weight", (hidden, hidden)), (p + f"attn.{w}.bias",
-                                                                   (hidden,))]
+            shapes += [(p + f"attn.{w}.weight", (hidden, hidden)),
+                       (p + f"attn.{w}.bias", (hidden,))]
         shapes += [(p + "mlp.fc1.weight", (ffn, hidden)), (p + "mlp.fc1.bias", (ffn,)),
                    (p + "mlp.fc2.weight", (hidden, ffn)), (p + "mlp.fc2.bias", (hidden,))]
         for ln in ("ln1", "ln2"):
@@ -130,6 +139,14 @@ def same(sd: dict[str, torch.Tensor], got: dict[str, torch.Tensor], who: str) ->
             raise SystemExit(f"{who} read back different bytes for {k}")
 
 
+def freed(d: dict[str, torch.Tensor]) -> float:
+    """Seconds to free the tensors of ``d`` (the caller's last reference to them)."""
+    t0 = time.perf_counter()
+    d.clear()
+    gc.collect()
+    return time.perf_counter() - t0
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     t0 = time.perf_counter()
     r = fn()
@@ -165,12 +182,30 @@ class Methods:
 
         r, got = timed(load)
         same(self.sd, got, "aioswap")
-        del got
+        r += freed(got)
         sw.clear()      # outside the timing, as the other methods delete their files
         return w, r
 
     def close(self) -> None:
         self.swapper.destroy()
+
+    def cold_files(self, name: str) -> tuple[str, str, str, list[str]]:
+        """Write ``name``'s files for the cold loads: (child method, path, digest of what it
+        must load, files to drop from the page cache)."""
+        sd, path = self.sd, os.path.join(self.work, f"cold-{name}")
+        if name == "aioswap":
+            with TensorSwapper(path, handle=self.h) as sw:
+                sw.swap_out_state_dict("", sd)
+            return "aioswap-swap", path, cold.digest(sd), files_under(path)
+        if name == "safetensors":
+            assert st_torch is not None
+            st_torch.save_file(sd, path)
+            return "safetensors", path, cold.digest(sd), [path]
+        if name == "torch":
+            torch.save(sd, path)
+            return "torch", path, cold.digest(sd), [path]
+        self.h.pwrite(self.one, path, fsync=True)
+        return "direct", path, cold.digest({"x": self.one}), [path]
 
     def aioswap(self) -> tuple[float, float]:
         return self._aioswap(True)
@@ -195,7 +230,7 @@ class Methods:
         drop_cache([path], self.drop)
         r, got = timed(load)
         same(self.sd, {k: got[k] for k in self.sd}, "safetensors")
-        del got
+        r += freed(got)
         os.unlink(path)
         return w, r
 
@@ -217,7 +252,7 @@ class Methods:
         drop_cache([path], self.drop)
         r, got = timed(load)
         same(self.sd, got, "torch.load")
-        del got
+        r += freed(got)
         os.unlink(path)
         return w, r
 
@@ -236,7 +271,9 @@ LABELS = {"aioswap": "aioswap swap_out/in_state_dict",
           "aioswap_noverify": "aioswap, load with verify=False",
           "safetensors": "safetensors save_file/load_file",
           "torch": "torch.save/torch.load(weights_only)",
-          "direct": "direct: 1 transfer, locked (reference)"}
+          "direct": "direct: 1 locked transfer (warm load: preallocated, no alloc/free)"}
+#: methods with a cold load (a fresh process each; see benchmarks/_cold.py)
+COLD = ("aioswap", "safetensors", "torch", "direct")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,11 +292,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drop-caches", choices=["fadvise", "sysctl"], default="fadvise",
                    help="fadvise: posix_fadvise(DONTNEED) per file after fsync; sysctl: also "
                         "echo 1 > /proc/sys/vm/drop_caches (root)")
+    p.add_argument("--cold", type=int, default=None,
+                   help="cold loads per method, each in a fresh process (default: --repeat; "
+                        "0: none)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     for flag in ("layers", "hidden", "states", "repeat"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag} must be >= 1")
+    if a.cold is None:
+        a.cold = a.repeat
+    if a.cold < 0:
+        p.error("--cold must be >= 0")
     names = [m.strip() for m in a.methods.split(",") if m.strip()]
     unknown = [m for m in names if m not in LABELS]
     if unknown:
@@ -275,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             print(msg, file=sys.stderr, flush=True)
 
     times: dict[str, list[tuple[float, float]]] = {m: [] for m in names}
+    colds: dict[str, list[dict[str, Any]]] = {m: [] for m in names}
     try:
         log("preparing tensors...")
         sd = make_state_dict(a.layers, a.hidden, ffn, a.states)
@@ -288,7 +333,20 @@ def main(argv: list[str] | None = None) -> int:
                         w, r = getattr(ms, name)()
                         times[name].append((w, r))
                         log(f"round {rnd + 1}/{a.repeat}: {name}: save {total / w / GB:.2f} "
-                            f"GB/s, load {total / r / GB:.2f} GB/s")
+                            f"GB/s, warm load {total / r / GB:.2f} GB/s")
+                cold_names = [n for n in names if n in COLD] if a.cold else []
+                files = {n: ms.cold_files(n) for n in cold_names}
+                for rnd, order in enumerate(orders(cold_names, a.cold)):
+                    for name in order:
+                        method, path, want, paths = files[name]
+                        drop_cache(paths, a.drop_caches)
+                        got = cold.run_cold(method, path)
+                        if got["digest"] != want:
+                            raise SystemExit(f"cold {method} load read back different bytes")
+                        colds[name].append(got)
+                        gbps = total / got["total_s"] / GB
+                        log(f"cold {rnd + 1}/{a.cold}: {name}: load {gbps:.2f} GB/s (fresh "
+                            f"process; allocation and freeing included)")
             finally:
                 ms.close()
     finally:
@@ -298,12 +356,17 @@ def main(argv: list[str] | None = None) -> int:
                            "max_tensor": max(sizes), "layers": a.layers, "hidden": a.hidden,
                            "ffn": ffn, "states": a.states, "repeat": a.repeat,
                            "block_size": a.block_size, "queue_depth": a.queue_depth,
-                           "page_cache": a.drop_caches, "methods": {}}
+                           "page_cache": a.drop_caches, "cold_rounds": a.cold, "methods": {}}
     for name in names:
         w = statistics.median(t[0] for t in times[name])
         r = statistics.median(t[1] for t in times[name])
-        res["methods"][name] = {"label": LABELS[name], "save_s": w, "load_s": r,
-                                "save_gbps": total / w / GB, "load_gbps": total / r / GB}
+        m = res["methods"][name] = {"label": LABELS[name], "save_s": w, "load_s": r,
+                                    "save_gbps": total / w / GB, "load_gbps": total / r / GB}
+        if colds[name]:
+            c = statistics.median(x["total_s"] for x in colds[name])
+            m.update(cold_load_s=c, cold_load_gbps=total / c / GB,
+                     cold_load_gbps_all=[total / x["total_s"] / GB for x in colds[name]],
+                     cold_maxrss_kib=max(x["maxrss_kib"] for x in colds[name]))
     ratios: dict[str, float] = {}
     if "aioswap" in names:
         me = res["methods"]["aioswap"]
@@ -311,24 +374,29 @@ def main(argv: list[str] | None = None) -> int:
             if other != "aioswap":
                 o = res["methods"][other]
                 ratios[f"save vs {other}"] = me["save_gbps"] / o["save_gbps"]
-                ratios[f"load vs {other}"] = me["load_gbps"] / o["load_gbps"]
+                ratios[f"warm load vs {other}"] = me["load_gbps"] / o["load_gbps"]
+                if "cold_load_gbps" in me and "cold_load_gbps" in o:
+                    ratios[f"cold load vs {other}"] = me["cold_load_gbps"] / o["cold_load_gbps"]
     res["ratios"] = ratios
     if a.json:
         print(json.dumps(res, indent=2))
         return 0
     title = (f"{len(sd)} tensors ({format_size(min(sizes))} .. {format_size(max(sizes))}), "
              f"{format_size(total)} ({total / GB:.2f} GB) in all; {a.layers} layers, hidden "
-             f"{a.hidden}, ffn {ffn}, {a.states} states; median of {a.repeat} round(s), "
-             f"methods alternating; page cache dropped before loads ({a.drop_caches}); every "
-             f"page touched after loading; {UNITS_NOTE}")
+             f"{a.hidden}, ffn {ffn}, {a.states} states; median of {a.repeat} warm and "
+             f"{a.cold} cold round(s), methods alternating; page cache dropped before loads "
+             f"({a.drop_caches}); every page touched after loading, freeing included; warm: "
+             f"in this process (memory it already used); cold: a fresh process per load, "
+             f"allocation included; {UNITS_NOTE}")
+    nan = float("nan")
     rows = []
     for name in names:
         m = res["methods"][name]
-        rows.append([m["label"], m["save_gbps"], m["load_gbps"],
-                     ratios.get(f"save vs {name}", float("nan")),
-                     ratios.get(f"load vs {name}", float("nan"))])
-    print_table(["method", "save GB/s", "load GB/s", "ratio save", "ratio load"],
-                rows, title=[title])
+        rows.append([m["label"], m["save_gbps"], m["load_gbps"], m.get("cold_load_gbps", nan),
+                     ratios.get(f"save vs {name}", nan), ratios.get(f"warm load vs {name}", nan),
+                     ratios.get(f"cold load vs {name}", nan)])
+    print_table(["method", "save GB/s", "warm load GB/s", "cold load GB/s", "ratio save",
+                 "ratio warm", "ratio cold"], rows, title=[title])
     return 0
 
 
