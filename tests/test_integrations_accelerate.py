@@ -308,3 +308,163 @@ def test_index_json_default(model_dir: tuple[Path, dict[str, Any]], tmp_path: Pa
     (tmp_path / "a.dat").write_bytes(torch.arange(3).numpy().tobytes())
     with ia.AioswapWeightsLoader(save_folder=tmp_path) as loader:
         assert torch.equal(loader["a"], torch.arange(3))
+
+
+# -- reads from the page cache, from the drive, and sparse weights ---------------------------
+
+def _drop(files: list[Path]) -> None:
+    from aioswap.tune import drop_cache
+    for f in files:
+        drop_cache(str(f))
+
+
+def _cache(files: list[Path]) -> None:
+    for f in files:
+        f.read_bytes()
+
+
+@pytest.mark.parametrize("cache", ["cached", "dropped", "half"])
+def test_loader_cache_paths_match_stock(model_dir: tuple[Path, dict[str, Any]],
+                                        tmp_path: Path, cache: str) -> None:
+    """One body over the page-cache copy, the direct read and a mix of both (a file half
+    in the cache): the same tensors as the stock loader."""
+    from accelerate.utils import OffloadedWeightsLoader
+    path = model_dir[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, device_map={"": "disk"}, offload_folder=tmp_path / "off")
+    (stock,) = {id(m): m for m in _weights_maps(model)}.values()
+    assert type(stock) is OffloadedWeightsLoader
+    shards = sorted(path.glob("*.safetensors"))
+    expected = {k: stock[k].clone() for k in stock.index}
+    if cache == "cached":
+        _cache(shards)
+    else:
+        _drop(shards)
+    if cache == "half":
+        for f in shards:                    # the first half, not on a page boundary
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)     # no read-ahead
+                os.pread(fd, f.stat().st_size // 2 + 1000, 0)
+            finally:
+                os.close(fd)
+    with ia.AioswapWeightsLoader(index=stock.index, sparse=lambda k: False) as ours:
+        for key in stock.index:
+            t = ours[key]
+            assert t.dtype == expected[key].dtype and torch.equal(t, expected[key]), key
+        s = ours.stats
+        assert s.bytes_read >= sum(t.numel() * t.element_size() for t in expected.values())
+        if cache == "cached":
+            assert s.cached_bytes == s.bytes_read and s.requests == 0
+        elif cache == "dropped":        # (pages a mapping still holds may stay cached)
+            assert s.cached_bytes < s.bytes_read and s.requests > 0
+        else:
+            assert 0 < s.cached_bytes < s.bytes_read and s.requests > 0
+
+
+def test_embedding_is_mapped(model_dir: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    """An embedding is handed out as a file mapping (a forward reads the rows it touches):
+    same results, writable, and never read whole."""
+    path, ref = model_dir
+    assert ia.embedding_key("model.embed_tokens.weight")
+    assert ia.embedding_key("transformer.wte.weight")
+    assert not ia.embedding_key("lm_head.weight")
+    assert not ia.embedding_key("model.layers.0.mlp.up_proj.weight")
+    model = _disk_model(path, tmp_path)
+    (loader,) = _aioswap_maps(model)
+    _assert_same(_run(model), ref)
+    assert loader.stats.mapped > 0
+    t = loader["model.embed_tokens.weight"]
+    t[0, 0] = 1.0                                  # private: the file is untouched
+    assert torch.equal(loader["lm_head.weight"], loader["lm_head.weight"])
+    dense = ia.AioswapWeightsLoader(index=loader.index, sparse=lambda k: False)
+    with dense:
+        e = dense["model.embed_tokens.weight"]
+        assert not torch.equal(t, e) and torch.equal(t[1:], e[1:])
+        assert dense.stats.mapped == 0
+
+
+def test_mapped_file_truncated_refused(model_dir: tuple[Path, dict[str, Any]],
+                                       tmp_path: Path) -> None:
+    path = _copy(model_dir[0], tmp_path / "m")
+    model = _disk_model(path, tmp_path)
+    (loader,) = _aioswap_maps(model)
+    key = "model.embed_tokens.weight"
+    shard = Path(loader.index[key]["safetensors_file"])
+    loader[key]
+    os.truncate(shard, shard.stat().st_size - 100)
+    with pytest.raises(ia.OffloadFileError, match="changed size"):
+        loader[key]
+
+
+# -- writes ----------------------------------------------------------------------------------
+
+def _state_dict(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    torch.manual_seed(2)
+    model = transformers.AutoModelForCausalLM.from_config(_config(), dtype=dtype)
+    sd = dict(model.state_dict())
+    sd["scalar"] = torch.tensor(3.5, dtype=dtype)
+    sd["transposed"] = torch.randn(5, 33).to(dtype).t()
+    sd["odd"] = torch.randn(4097).to(dtype)           # not a multiple of a block
+    sd["int"] = torch.arange(11)
+    sd["mask"] = torch.rand(9) > 0.5
+    sd["fp8"] = torch.randn(77).to(torch.float8_e4m3fn)
+    return sd
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_offload_state_dict_same_files(tmp_path: Path, dtype: torch.dtype) -> None:
+    """After install(), accelerate's offload_state_dict/offload_weight write through aioswap:
+    the same files byte for byte, the same index.json, data files 0600."""
+    import accelerate.utils
+    from accelerate.utils import offload as stock_offload
+    sd = _state_dict(dtype)
+    stock_offload.offload_state_dict(tmp_path / "stock", sd)
+    ia.install()
+    assert accelerate.utils.offload_state_dict is ia.offload_state_dict
+    assert stock_offload.offload_weight is ia.offload_weight
+    accelerate.utils.offload_state_dict(tmp_path / "ours", sd)
+    index: dict[str, Any] = {}
+    (tmp_path / "w").mkdir()
+    (tmp_path / "sw").mkdir()
+    assert accelerate.utils.offload_weight(sd["odd"], "one", tmp_path / "w", index) is index
+    ia.uninstall()
+    assert accelerate.utils.offload_state_dict is not ia.offload_state_dict
+    assert stock_offload.offload_weight is not ia.offload_weight
+    names = sorted(p.name for p in (tmp_path / "stock").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "ours").iterdir())
+    for name in names:
+        ours = tmp_path / "ours" / name
+        assert ours.read_bytes() == (tmp_path / "stock" / name).read_bytes(), name
+        if name.endswith(".dat"):
+            assert ours.stat().st_mode & 0o777 == 0o600
+    stock_index: dict[str, Any] = {}
+    stock_offload.offload_weight(sd["odd"], "one", tmp_path / "sw", stock_index)
+    assert index == stock_index
+    assert (tmp_path / "w" / "one.dat").read_bytes() == (tmp_path / "sw" / "one.dat").read_bytes()
+    # stock reads what aioswap wrote, and aioswap what stock wrote
+    stock = stock_offload.OffloadedWeightsLoader(save_folder=tmp_path / "ours")
+    with ia.AioswapWeightsLoader(save_folder=tmp_path / "stock") as loader:
+        for k, v in sd.items():
+            assert torch.equal(stock[k].view(-1).view(torch.uint8),
+                               v.contiguous().view(-1).view(torch.uint8)), k
+            assert torch.equal(loader[k], stock[k]), k
+
+
+def test_disk_offload_written_by_aioswap_read_by_stock(model_dir: tuple[Path, dict[str, Any]],
+                                                       tmp_path: Path) -> None:
+    path, ref = model_dir
+    ia.install()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    accelerate.disk_offload(model, tmp_path / "dat", execution_device="cpu")
+    _assert_same(_run(model), ref)
+    ia.uninstall()
+    assert all((tmp_path / "dat" / f"{k}.dat").stat().st_mode & 0o777 == 0o600
+               for k in model.state_dict())
+    from accelerate.utils import OffloadedWeightsLoader
+    stock = OffloadedWeightsLoader(save_folder=tmp_path / "dat")    # uninstalled: stock's
+    assert type(stock) is OffloadedWeightsLoader
+    fresh = transformers.AutoModelForCausalLM.from_config(_config(),
+                                                          dtype=ref["logits"].dtype)
+    fresh.load_state_dict({k: stock[k] for k in fresh.state_dict()})
+    _assert_same(_run(fresh), ref)

@@ -25,9 +25,23 @@ every forward and lets page faults bring the bytes in, one weight at a time. Her
   a batch is handed out, the next batch (the groups that came next last time; on the first
   forward, layer ``N + 1`` after layer ``N``) is submitted, so it is read while this one
   computes.
+* What of a request's range is in the page cache is copied from it (``preadv`` with
+  ``RWF_NOWAIT``, which never waits for the drive and starts no read-ahead); only the rest
+  is read with ``O_DIRECT``, which fills no cache. A warm forward runs at memory speed; a
+  forward after a cold one finds nothing cached and reads from the drive again.
+* Embedding tables (:func:`embedding_key`, or the loader's ``sparse`` test) are handed out
+  as private file mappings, as stock does, so a forward reads only the rows it touches.
 * Every tensor handed out is a view of its batch's buffer with a storage of its own; the
   buffer is never reused while any such tensor lives (it is freed, back into the locked-memory
   cache, with the last one), so a tensor the caller keeps is never overwritten.
+
+How it writes
+-------------
+:func:`install` also replaces accelerate's ``offload_weight`` and ``offload_state_dict``
+(``disk_offload``, ``dispatch_model`` with an ``offload_dir``): the same ``.dat`` files
+(bytes, names, ``index.json``), created 0600, written with an ``AioHandle`` (a state dict's
+files all submitted at once) and fsynced as stock's ``np.memmap.flush`` syncs them.
+transformers' own ``offload_weight`` (safetensors files) is not replaced.
 
 Without accelerate installed, importing this module works and :func:`install` raises
 :class:`ImportError`.
@@ -38,13 +52,14 @@ import importlib
 import json
 import logging
 import math
+import mmap
 import os
 import sys
 import threading
 import warnings
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -62,6 +77,7 @@ __all__ = [
     "AioswapWeightsLoader",
     "LoaderStats",
     "OffloadFileError",
+    "embedding_key",
     "install",
     "installed",
     "uninstall",
@@ -93,7 +109,9 @@ class LoaderStats:
 
     batches: int = 0          # batched submissions
     requests: int = 0         # read requests in them
-    bytes_read: int = 0       # bytes those requests read
+    bytes_read: int = 0       # bytes read into batches (from the drive or the page cache)
+    cached_bytes: int = 0     # of those, copied from the page cache (no direct request)
+    mapped: int = 0           # sparse weights handed out as file mappings
     hits: int = 0             # tensors served from a batch read ahead
     misses: int = 0           # tensors whose batch was read on demand
     files_opened: int = 0
@@ -137,6 +155,18 @@ def _dat_dtype(name: str) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=np.dtype(name))).dtype
 
 
+_EMBEDDING_NAMES = ("wte", "wpe", "shared")
+
+
+def embedding_key(key: str) -> bool:
+    """Whether ``key`` names an embedding table's weight (a module named ``*embed*``,
+    ``wte``, ``wpe`` or ``shared``): the default ``sparse`` test of
+    :class:`AioswapWeightsLoader`."""
+    module, _, leaf = key.rpartition(".")
+    name = module.rpartition(".")[2]
+    return leaf == "weight" and ("embed" in name or name in _EMBEDDING_NAMES)
+
+
 def _group_of(key: str) -> str:
     """A key's read group: its prefix up to the first numeric component (a layer), else its
     module (the key without the last component)."""
@@ -154,6 +184,7 @@ class _Resources:
         self.handle: AioHandle | None = None
         self.files: OrderedDict[str, AioFile] = OrderedDict()
         self.sizes: dict[str, int] = {}          # size of each file when first opened
+        self.plain: dict[str, int] = {}          # buffered fds (page-cache probes, mmap)
         self.max_open_files = max_open_files
         self.live: deque[_Batch] = deque()
 
@@ -174,9 +205,38 @@ class _Resources:
             raise OffloadFileError(f"{path!r} changed size while in use ({self.sizes[path]} "
                                    f"bytes when first opened, {size} now)", path=path)
         while len(self.files) > self.max_open_files:     # one .dat file per weight: cap fds
-            _, old = self.files.popitem(last=False)
+            name, old = self.files.popitem(last=False)
             old.close()                  # requests in flight on it finish first
+            fd = self.plain.pop(name, -1)
+            if fd >= 0:
+                os.close(fd)
         return f
+
+    def fd(self, path: str) -> int:
+        """A buffered descriptor of ``path`` (opened with :meth:`open`)."""
+        fd = self.plain.get(path)
+        if fd is None:
+            fd = self.plain[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return fd
+
+    def cached(self, path: str, mem: memoryview, offset: int) -> int:
+        """Copy the leading part of ``path``'s range at ``offset`` that is in the page cache
+        into ``mem``; return the bytes copied (all of them, or a multiple of the alignment).
+
+        ``RWF_NOWAIT`` never waits for the drive and starts no read-ahead, so a range not in
+        the cache costs one failed call and is left to direct I/O."""
+        fd = self.fd(path)
+        n = len(mem)
+        got = 0
+        while got < n:
+            try:
+                r = os.preadv(fd, [mem[got:]], offset + got, os.RWF_NOWAIT)
+            except OSError:      # EAGAIN: not cached; EOPNOTSUPP: no RWF_NOWAIT on this fs
+                break
+            if r <= 0:
+                break
+            got += r
+        return got if got == n else got // _ALIGN * _ALIGN
 
     def close(self) -> None:
         for b in self.live:
@@ -186,6 +246,9 @@ class _Resources:
         for f in self.files.values():
             f.close()
         self.files.clear()
+        for fd in self.plain.values():
+            os.close(fd)
+        self.plain.clear()
         self.sizes.clear()
         if self.handle is not None:
             self.handle.close()
@@ -215,6 +278,11 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         A batch grows by the groups that follow its first one up to this many bytes.
     max_open_files : int
         Most files kept open at once (least recently used ones are closed).
+    sparse : callable, optional
+        ``sparse(key)`` is true for weights the model uses sparsely (an embedding looks up
+        the rows of its tokens): they are handed out as private file mappings, as the stock
+        loader hands out every safetensors weight, so a forward reads only the pages it
+        touches. Default :func:`embedding_key`; ``lambda key: False`` reads them whole.
 
     Raises
     ------
@@ -233,7 +301,8 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
                  save_folder: Optional[PathLike] = None,
                  index: Optional[Mapping[str, Any]] = None,
                  device: Any = None, *, batch_bytes: int = _BATCH_BYTES,
-                 max_open_files: int = 512) -> None:
+                 max_open_files: int = 512,
+                 sparse: Optional[Callable[[str], bool]] = None) -> None:
         if state_dict is None and save_folder is None and index is None:
             raise ValueError("Need either a `state_dict`, a `save_folder` or an `index` "
                              "containing offloaded weights.")
@@ -249,6 +318,7 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         self.all_keys: list[str] = list(keys)
         self.device = device
         self.batch_bytes = int(batch_bytes)
+        self.sparse: Callable[[str], bool] = embedding_key if sparse is None else sparse
         self.stats = LoaderStats()
         self._lock = threading.RLock()
         self._res = _Resources(max(1, int(max_open_files)))
@@ -269,7 +339,7 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         if key not in self.index:
             raise KeyError(key)
         with self._lock:
-            t, entry = self._take(key)
+            t, entry = self._mapped(key) if self.sparse(key) else self._take(key)
         if entry.cast is not None and t.dtype != entry.cast:
             t = t.to(entry.cast)
         if entry.to_device:
@@ -340,13 +410,40 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         if self._groups is None:         # built on first use, not in the constructor
             groups: dict[str, list[str]] = {}
             for k in self.index:
-                if k in self.state_dict:
+                if k in self.state_dict or self.sparse(k):
                     continue
                 g = _group_of(k)
                 self._group_key[k] = g
                 groups.setdefault(g, []).append(k)
             self._groups = groups
         return self._group_key[key]
+
+    def _mapped(self, key: str) -> tuple[torch.Tensor, _Entry]:
+        """A sparse weight as a private (copy-on-write) mapping of its bytes."""
+        entry = self._entry(key)
+        self.stats.mapped += 1
+        if entry.nbytes == 0:
+            return torch.empty(entry.shape, dtype=entry.dtype), entry
+        self._res.open(entry.path, self.stats)    # (again after close())
+        fd = self._res.fd(entry.path)
+        size = os.fstat(fd).st_size
+        if size != self._res.sizes[entry.path]:      # a mapping past the end is SIGBUS
+            raise OffloadFileError(f"{entry.path!r} changed size while in use "
+                                   f"({self._res.sizes[entry.path]} bytes when first "
+                                   f"opened, {size} now)", path=entry.path)
+        start = entry.offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+        m = mmap.mmap(fd, entry.offset + entry.nbytes - start, access=mmap.ACCESS_COPY,
+                      offset=start)
+        pos = entry.offset - start
+        size = entry.dtype.itemsize
+        if pos % size:                           # misaligned in the file: own memory
+            out = torch.empty(entry.shape, dtype=entry.dtype)
+            out.view(-1).view(torch.uint8).copy_(
+                torch.frombuffer(m, dtype=torch.uint8, count=entry.nbytes, offset=pos))
+            return out, entry
+        # the tensor holds the mapping (torch keeps the buffer's exporter alive)
+        return torch.frombuffer(m, dtype=entry.dtype, count=entry.nbytes // size,
+                                offset=pos).view(entry.shape), entry
 
     def _successor(self, group: str) -> str | None:
         nxt = self._next.get(group)
@@ -468,16 +565,22 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         for path, start, end, ks in extents:
             f = self._res.open(path, self.stats)
             n = min(round_up(end, _ALIGN), self._res.sizes[path]) - start
-            layout.append((f, start, n, total, ks))
+            layout.append((path, f, start, n, total, ks))
             total += round_up(n, _ALIGN)
         buf = memoryview(pinned.allocate(total, strict=False)) if total else None
         places: dict[str, tuple[_Entry, int]] = {
             k: (e, 0) for k, e in entries.items() if not e.nbytes}
         requests = []
-        for f, start, n, pos, ks in layout:
+        for path, f, start, n, pos, ks in layout:
             assert buf is not None
-            requests.append((torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=pos),
-                             f, start))
+            # what the page cache holds is copied from it (a warm forward at memory speed);
+            # the rest is read from the drive with O_DIRECT, filling no cache
+            got = self._res.cached(path, buf[pos:pos + n], start)
+            self.stats.bytes_read += n
+            self.stats.cached_bytes += got
+            if got < n:
+                requests.append((torch.frombuffer(buf, dtype=torch.uint8, count=n - got,
+                                                  offset=pos + got), f, start + got))
             for k in ks:
                 places[k] = (entries[k], pos + entries[k].offset - start)
         batch = _Batch(groups, places, buf, nbytes=total)
@@ -487,7 +590,6 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
             batch.futures = [f for f in futures if isinstance(f, IOFuture)]
         self.stats.batches += 1
         self.stats.requests += len(requests)
-        self.stats.bytes_read += sum(r[0].numel() for r in requests)
         live = self._res.live
         live.append(batch)
         for k in places:
@@ -540,6 +642,83 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
                                 offset=pos).view(entry.shape)
 
 
+# ----------------------------------------------------------------------------------- writes
+
+_WRITE_FILES = 128            # files of offload_state_dict open (and written) at once
+
+
+def _dat_bytes(weight: torch.Tensor, name: str, folder: PathLike,
+               index: dict[str, Any] | None) -> tuple[str, torch.Tensor]:
+    """Stock ``offload_weight``'s file for ``weight`` and the bytes it holds (a flat uint8 CPU
+    tensor); records the index entry stock records."""
+    t = weight.detach()
+    if t.dtype == torch.bfloat16:            # numpy has no bf16/fp8: stock stores raw bytes
+        dtype = "bfloat16"
+    elif str(t.dtype).startswith("torch.float8_"):
+        dtype = str(t.dtype).split(".")[1]
+    else:                                    # numpy's name; TypeError where numpy has none
+        dtype = str(torch.empty(0, dtype=t.dtype).numpy().dtype)
+    path = os.path.join(os.fspath(folder), f"{name}.dat")
+    if index is not None:
+        index[name] = {"dtype": dtype, "shape": list(t.shape)}
+    return path, t.cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _write_dat(items: list[tuple[str, torch.Tensor]]) -> None:
+    """Write each ``(path, bytes)`` as a whole file (created 0600 or truncated), all
+    submitted at once, then fsynced (stock's ``np.memmap.flush`` syncs each file too)."""
+    handle = _write_handle()
+    for i in range(0, len(items), _WRITE_FILES):
+        files: list[AioFile] = []
+        futures: list[IOFuture] = []
+        try:
+            for path, data in items[i:i + _WRITE_FILES]:
+                f = handle.open(path, "w")
+                files.append(f)
+                if data.numel():
+                    futures.append(handle.pwrite(data, f, 0, async_op=True))
+            err = first_error(futures)
+            if err is not None:
+                raise err
+            for f in files:
+                f.fsync()
+        finally:
+            first_error(futures)             # drain before the tensors may go
+            for f in files:
+                f.close()
+
+
+def offload_weight(weight: torch.Tensor, weight_name: str, offload_folder: PathLike,
+                   index: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """accelerate's ``offload_weight`` (same file, bytes and index entry), written through
+    aioswap: ``offload_folder/<weight_name>.dat`` holds the tensor's bytes (bf16 and fp8
+    as stored by accelerate, raw), mode 0600 when created. Returns ``index``."""
+    _write_dat([_dat_bytes(weight, weight_name, offload_folder, index)])
+    return index
+
+
+def offload_state_dict(save_dir: PathLike, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """accelerate's ``offload_state_dict``: one ``.dat`` file per tensor (as
+    :func:`offload_weight`) and ``index.json`` updated by accelerate's own
+    ``save_offload_index``; the files are written concurrently."""
+    offload = importlib.import_module("accelerate.utils.offload")
+    os.makedirs(save_dir, exist_ok=True)
+    index: dict[str, Any] = {}
+    _write_dat([_dat_bytes(t, name, save_dir, index) for name, t in state_dict.items()])
+    offload.save_offload_index(index, save_dir)
+
+
+_writer: AioHandle | None = None
+
+
+def _write_handle() -> AioHandle:
+    global _writer
+    with _state_lock:
+        if _writer is None or _writer.closed:
+            _writer = AioHandle()
+        return _writer
+
+
 # ---------------------------------------------------------------------------------- install
 
 _state_lock = threading.RLock()
@@ -547,15 +726,17 @@ _state_lock = threading.RLock()
 _loaders: weakref.WeakValueDictionary[int, AioswapWeightsLoader] = weakref.WeakValueDictionary()
 _stock: type | None = None
 _patched: dict[str, Any] = {}        # module name -> its binding before install
+_WRITERS = {"offload_weight": offload_weight, "offload_state_dict": offload_state_dict}
+_stock_writers: dict[str, Any] = {}  # name -> accelerate's function, while installed
 
 
-def _rebind(old: Any, new: Any) -> list[str]:
-    """Point every imported module's ``OffloadedWeightsLoader`` that is ``old`` at ``new``."""
+def _rebind(old: Any, new: Any, attr: str = _NAME) -> list[str]:
+    """Point every imported module's ``attr`` that is ``old`` at ``new``."""
     done = []
     for name, module in list(sys.modules.items()):
         d = getattr(module, "__dict__", None)
-        if isinstance(d, dict) and d.get(_NAME) is old:
-            d[_NAME] = new
+        if name != __name__ and isinstance(d, dict) and d.get(attr) is old:
+            d[attr] = new
             done.append(name)
     return done
 
@@ -603,6 +784,12 @@ def install() -> None:
         _stock = stock
         for name in done:
             _patched[name] = stock
+        for attr, ours in _WRITERS.items():
+            theirs = getattr(offload, attr, None)
+            if callable(theirs):
+                _stock_writers[attr] = theirs
+                _log.info("aioswap: %s replaced in %s", attr,
+                          ", ".join(_rebind(theirs, ours, attr)))
         missing = [m for m in _EXPECTED if m not in done]
         if missing:
             warnings.warn(f"aioswap.integrations.accelerate.install() could not patch "
@@ -622,14 +809,20 @@ def uninstall() -> None:
     """Undo :func:`install` and close the handles and files of every loader made since.
     Idempotent. Models dispatched while it was installed keep their (now closed) loaders,
     which reopen their files when used again."""
-    global _stock
+    global _stock, _writer
     with _state_lock:
         if _stock is not None:
             _rebind(AioswapWeightsLoader, _stock)
             _stock = None
             _patched.clear()
+        for attr, theirs in _stock_writers.items():
+            _rebind(_WRITERS[attr], theirs, attr)
+        _stock_writers.clear()
         for loader in list(_loaders.values()):
             loader.close()
+        if _writer is not None:
+            _writer.close()
+            _writer = None
 
 
 def _version(dist: str) -> str:
