@@ -1210,8 +1210,8 @@ class TensorSwapper:
         try:
             try:
                 if lanes > 1:
-                    take = pull(active)
-                    groups = [self._alloc_pool().submit(prepare, take) for _ in range(lanes)]
+                    nxt = pull(active)
+                    groups = [self._alloc_pool().submit(prepare, nxt) for _ in range(lanes)]
                 else:
                     prepare(pull(active))
                 # hash once every read is queued: on a busy machine the hashing would
@@ -1220,8 +1220,8 @@ class TensorSwapper:
                 if verify and lanes > 1:
                     # then on every lane: tensors are hashed as they land, on all cores
                     # (xxh3 releases the GIL), while the later reads are still in flight
-                    take = pull(active)
-                    checks = [self._alloc_pool().submit(check, take) for _ in range(lanes)]
+                    nxt = pull(active)
+                    checks = [self._alloc_pool().submit(check, nxt) for _ in range(lanes)]
                     for c in checks:
                         c.result()
                 else:

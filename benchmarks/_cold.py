@@ -26,21 +26,32 @@ import resource
 import subprocess
 import sys
 import time
+import zlib
 from typing import Any, Callable
 
 METHODS = ("aioswap-swap", "aioswap-safetensors", "safetensors", "torch", "direct")
 
 
 def digest(tensors: dict[str, Any]) -> str:
-    """xxh3 (or crc32) over every tensor's bytes, in key order; the same in parent and child."""
-    from aioswap import _checksum
-    h = _checksum.new_hasher(_checksum.algorithms()[0])
+    """xxh3 (crc32 where xxhash is missing) over every tensor's bytes, in key order; the same
+    in parent and child."""
+    import torch
+    try:
+        import xxhash
+        h: Any = xxhash.xxh3_64()
+    except ImportError:
+        h = None
+    crc = 0
     for k in sorted(tensors):
-        t = tensors[k]
-        h.update(k.encode())
-        if t.numel():
-            h.update(_checksum.host_bytes(t.contiguous()))
-    return str(h.hexdigest())
+        t = tensors[k].detach().cpu().contiguous()
+        parts = [k.encode()] + ([t.reshape(-1).view(torch.uint8).numpy().data] if t.numel()
+                                else [])
+        for part in parts:
+            if h is not None:
+                h.update(part)
+            else:
+                crc = zlib.crc32(part, crc)
+    return str(h.hexdigest()) if h is not None else f"{crc:08x}"
 
 
 def _touch(tensors: dict[str, Any]) -> None:

@@ -568,10 +568,10 @@ def test_benchmark_smoke(tmp_dir: Path) -> None:
     rows = [line for line in out.splitlines()
             if line.startswith(("aioswap.safetensors", "safetensors.torch", "direct:"))]
     assert len(rows) == (3 if st is not None else 2), out
-    for line in rows:
-        figures = [float(x) for x in line.split()[-4:] if x[0].isdigit() and "-" not in x]
-        assert len(figures) == 2 and all(f > 0 for f in figures), line
-    assert "ratio aioswap/direct load" in out
+    for line in rows:     # save, warm load, cold load: each a median and a spread
+        figures = [float(x) for x in line.split()[-6:] if x[0].isdigit() and "-" not in x]
+        assert len(figures) == 3 and all(f > 0 for f in figures), line
+    assert "ratio aioswap/direct load" in out and "ratio aioswap/direct cold" in out
     assert list(tmp_dir.iterdir()) == []
 
 
@@ -585,6 +585,7 @@ def test_benchmark_json(tmp_dir: Path) -> None:
     assert res["bytes"] == 3 * 4 * (12 * 32 * 32 + 13 * 32)
     for row in res["methods"].values():
         assert row["load_GBps"] > 0 and len(row["save_GBps_all"]) == 1
+        assert row["cold_GBps"] > 0 and len(row["cold_GBps_all"]) == 1
     assert res["ratios"]["aioswap/direct load"] == pytest.approx(
         res["methods"]["aioswap"]["load_GBps"] / res["methods"]["direct"]["load_GBps"])
     assert list(tmp_dir.iterdir()) == []

@@ -783,5 +783,11 @@ def test_bench_swap_smoke(tmp_dir: Path) -> None:
         assert methods[key]["save_gbps"] > 0 and methods[key]["load_gbps"] > 0
     assert ("safetensors" in methods) == (importlib.util.find_spec("safetensors") is not None)
     assert res["tensors"] == 2 * 16 * 3 and res["min_tensor"] == 64 * 4
-    assert res["ratios"]["load vs direct"] > 0
+    assert res["ratios"]["warm load vs direct"] > 0
+    for key in ("aioswap", "torch", "direct"):         # a fresh process per cold load
+        assert len(methods[key]["cold_load_gbps_all"]) == 2
+        assert methods[key]["cold_load_gbps"] > 0 and methods[key]["cold_maxrss_kib"] > 0
+    assert "aioswap_noverify" not in [k.split(" vs ")[-1] for k in res["ratios"]
+                                      if k.startswith("cold")]
+    assert res["ratios"]["cold load vs torch"] > 0
     assert os.listdir(tmp_dir) == []              # the benchmark cleans up after itself
