@@ -9,6 +9,7 @@ from aioswap.gds import GdsHandle
 from aioswap.handle import AioFile, AioHandle, HandleStats, IOFuture
 from aioswap.pinned import PinnedRegistry, is_pinned
 from aioswap.stream import Bucket, Stream, offload, onload, stream
+from aioswap.stripe import StripedFile
 from aioswap.swap import SwapInfo, TensorSwapper
 
 __version__ = "0.1.0"
@@ -34,6 +35,7 @@ __all__ = [
     "PinnedRegistry",
     "ShortReadError",
     "Stream",
+    "StripedFile",
     "SwapError",
     "SwapInfo",
     "TensorSwapper",

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Self
 
+    from aioswap.stripe import StripedFile
+
 __all__ = ["AioFile", "AioHandle", "DeviceTransport", "HandleStats", "IOFuture",
            "shared_handle"]
 
@@ -627,9 +629,20 @@ class AioHandle:
         return pinned.is_pinned(buffer)
 
     # -- files -----------------------------------------------------------------------------
-    def open(self, path: PathLike, mode: str = "r", *,
-             perm: int = _files.DEFAULT_FILE_MODE) -> AioFile:
+    @overload
+    def open(self, path: PathLike, mode: str = ..., *, perm: int = ...,
+             stripe: None = ...) -> AioFile: ...
+
+    @overload
+    def open(self, path: list[PathLike] | tuple[PathLike, ...], mode: str = ..., *,
+             perm: int = ..., stripe: int | None = ...) -> StripedFile: ...
+
+    def open(self, path: Any, mode: str = "r", *, perm: int = _files.DEFAULT_FILE_MODE,
+             stripe: int | None = None) -> AioFile | StripedFile:
         """Open ``path`` once for many requests.
+
+        A list or tuple of paths (one part file per drive) opens one striped file over
+        them: :func:`aioswap.stripe.open_striped` (``stripe``: bytes per stripe unit).
 
         Parameters
         ----------
@@ -647,6 +660,9 @@ class AioHandle:
             A context manager with ``pread``/``pwrite``/``fsync``/``fileno``/``close``;
             ``open``/``fstat``/``statx`` are paid once.
         """
+        if isinstance(path, (list, tuple)):
+            from aioswap import stripe as _stripe
+            return _stripe.open_striped(self, path, mode, stripe=stripe, perm=perm)
         self._check(f"open of {describe(path)}")
         return _files.open_path(self, path, mode, perm=perm, on_buffered=self._buffered_warn,
                                 direct=not self._buffered_only)

@@ -1,0 +1,732 @@
+"""Striped files: one logical file over part files on several drives, each drive its own queue.
+
+:func:`open_striped` (also ``AioHandle.open([p0, p1, ...], mode, stripe=...)``) returns a
+:class:`StripedFile`: the face of an :class:`~aioswap.AioFile` (``pread``/``pwrite`` of any
+buffer, size and offset, sync or ``async_op=True``; ``fsync``; ``close``) over one part file
+per path. Each part's drive (its ``st_dev``) gets an :class:`~aioswap.AioHandle` of its own,
+built from the opening handle's configuration (its own lanes, queue depth and completion
+thread) and shared by the striped files of that handle open on the drive, so one drive's
+backlog never holds back another's.
+
+Layout (version 1)
+------------------
+The logical file is cut into stripe units of ``stripe_unit`` bytes. Unit ``k`` lives on part
+``drive[k]`` at part offset ``slot[k] * stripe_unit``; a part's slots are handed out in the
+order its units are allocated. A unit is allocated by the first write that touches it:
+
+* units already allocated are rewritten where they are;
+* new units of a write are handed to the drives **as they free up**: each drive first gets
+  up to ``window`` units (``queue_depth * block_size / stripe_unit``, between 2 and 8) and
+  then one more each time one of its own units of that write completes. A drive at half the
+  speed of the others thus takes about half as many units, and since the assignment is
+  recorded, reads of that extent are spread the same way. A single new unit goes to the
+  least busy drive (ties: unit ``k`` to part ``k mod N``, i.e. round-robin for appends);
+* units inside the file that no write touched (holes) are unallocated and read as zeros.
+
+Beside every part ``P`` lies ``P.stripe.json`` (mode 0600, plain JSON, no pickle)::
+
+    {"format": "aioswap.stripe", "version": 1, "id": "<32 hex>", "part": i, "parts": N,
+     "stripe_unit": S, "generation": g, "size": L, "stripes": A,
+     "drives": "<base64 of zlib of A bytes: the part of each unit, 255 = unallocated>",
+     "slots": null | "<base64 of zlib of A little-endian int64: the slot of each unit>"}
+
+``slots`` is null when every unit's slot is its rank among the earlier units of its part
+(what one sequential writer produces). Every part carries the whole layout; the copy with
+the highest ``generation`` wins, so the parts may be given in any order on reopening (``part``
+says which is which) and a crash between the sidecar updates loses nothing. A write's data
+is written before the layout that points at it; with ``fsync=True`` (or :meth:`fsync`) the
+parts are fsynced, then the sidecars are replaced atomically (written, fsynced, renamed, the
+directory fsynced). The logical size ``L`` is in the layout; a part whose last unit is only
+partly written is extended (``fallocate``, never shrunk) so every byte below ``L`` reads.
+
+Errors: a failing drive fails only the requests with a piece on it; the error is the one the
+drive's handle raised, naming the part file (so the drive) with its offset and size.
+"""
+from __future__ import annotations
+
+import base64
+import errno
+import json
+import os
+import threading
+import uuid
+import zlib
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from aioswap._buffers import resolve
+from aioswap._files import DEFAULT_FILE_MODE, PathLike
+from aioswap._util import flat_bytes, fsync_dir, round_up
+from aioswap.errors import HandleClosedError, ShortReadError
+from aioswap.handle import AioFile, AioHandle, IOFuture
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["LAYOUT_FORMAT", "LAYOUT_SUFFIX", "LAYOUT_VERSION", "StripedFile", "default_stripe",
+           "open_striped", "read_layout"]
+
+#: ``format`` of the sidecar JSON; its ``version``; the suffix added to each part's path.
+LAYOUT_FORMAT = "aioswap.stripe"
+LAYOUT_VERSION = 1
+LAYOUT_SUFFIX = ".stripe.json"
+
+_NONE = 255                 # drive[k] of an unallocated unit
+_MAX_PARTS = 254
+_MIN_DEFAULT = 1 << 20      # default stripe unit: the block size, at least 1 MiB
+_ALIGN = 4096
+_MODES = ("r", "r+", "w", "w+", "x", "a+")
+
+
+def default_stripe(handle: AioHandle) -> int:
+    """The stripe unit used when none is given: the handle's ``block_size`` (as tuned,
+    ``AIOSWAP_BLOCK_SIZE`` or the ``"aio"`` section) rounded up to 4096, at least 1 MiB."""
+    return max(round_up(handle.block_size, _ALIGN), _MIN_DEFAULT)
+
+
+# -- per-drive handles ------------------------------------------------------------------------
+_drive_lock = threading.Lock()
+_drive_handles: dict[tuple[int, int], list[Any]] = {}     # (id(parent), st_dev) -> [h, users]
+
+
+def _acquire_drive(parent: AioHandle, dev: int) -> AioHandle:
+    key = (id(parent), dev)
+    with _drive_lock:
+        ent = _drive_handles.get(key)
+        if ent is None or ent[0].closed:
+            ent = [AioHandle.from_config(parent.config, backend=parent.backend), 0]
+            _drive_handles[key] = ent
+        ent[1] += 1
+        h: AioHandle = ent[0]
+        return h
+
+
+def _release_drive(parent: AioHandle, dev: int) -> None:
+    key = (id(parent), dev)
+    with _drive_lock:
+        ent = _drive_handles[key]
+        ent[1] -= 1
+        last = ent[1] == 0
+        if last:
+            del _drive_handles[key]
+    if last:
+        ent[0].close()
+
+
+# -- the layout -------------------------------------------------------------------------------
+def _sidecar(path: str) -> str:
+    return path + LAYOUT_SUFFIX
+
+
+def read_layout(path: PathLike) -> dict[str, Any]:
+    """The layout sidecar of part file ``path``, validated, with ``drives`` and ``slots``
+    decoded to lists (``slots`` None when implied)."""
+    name = os.fsdecode(path)
+    side = _sidecar(name)
+    try:
+        with open(side, "rb") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "no stripe layout beside the part file "
+                                "(not a striped file, or not created yet)", side) from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{side!r}: not a stripe layout ({exc})") from None
+    ok = (isinstance(doc, dict) and doc.get("format") == LAYOUT_FORMAT
+          and all(type(doc.get(k)) is int and doc[k] >= 0
+                  for k in ("part", "parts", "stripe_unit", "generation", "size", "stripes"))
+          and isinstance(doc.get("id"), str) and isinstance(doc.get("drives"), str)
+          and (doc.get("slots") is None or isinstance(doc.get("slots"), str)))
+    if not ok:
+        raise ValueError(f"{side!r}: not a stripe layout of format {LAYOUT_FORMAT!r}")
+    if doc.get("version") != LAYOUT_VERSION:
+        raise ValueError(f"{side!r}: stripe layout version {doc.get('version')!r}; this "
+                         f"aioswap reads version {LAYOUT_VERSION}")
+    try:
+        drives = list(zlib.decompress(base64.b64decode(doc["drives"])))
+        slots = None if doc["slots"] is None else np.frombuffer(
+            zlib.decompress(base64.b64decode(doc["slots"])), "<i8").tolist()
+    except (ValueError, zlib.error) as exc:
+        raise ValueError(f"{side!r}: corrupt stripe map ({exc})") from None
+    n = doc["stripes"]
+    if (len(drives) != n or (slots is not None and len(slots) != n)
+            or doc["part"] >= doc["parts"] or doc["stripe_unit"] == 0
+            or any(d != _NONE and d >= doc["parts"] for d in drives)):
+        raise ValueError(f"{side!r}: inconsistent stripe layout")
+    doc["drives"], doc["slots"] = drives, slots
+    out: dict[str, Any] = doc
+    return out
+
+
+def _ranks(drives: Sequence[int]) -> list[int]:
+    """Each unit's rank among the earlier units of its part (-1 for unallocated)."""
+    seen: dict[int, int] = {}
+    out = []
+    for d in drives:
+        if d == _NONE:
+            out.append(-1)
+        else:
+            r = seen.get(d, 0)
+            out.append(r)
+            seen[d] = r + 1
+    return out
+
+
+class _Piece:
+    """One stripe unit's share of a request: unit, offset inside it, bytes, buffer offset."""
+
+    __slots__ = ("k", "inner", "length", "at")
+
+    def __init__(self, k: int, inner: int, length: int, at: int) -> None:
+        self.k = k
+        self.inner = inner
+        self.length = length
+        self.at = at
+
+
+class _Op:
+    """One striped request in flight: its pieces on the drives, complete when all are."""
+
+    def __init__(self, sf: StripedFile, write: bool, flat: Any, offset: int, n: int,
+                 fsync: bool, after: Callable[[], None] | None, fut: IOFuture | None) -> None:
+        self.sf = sf
+        self.write = write
+        self.flat = flat
+        self.offset = offset
+        self.n = n
+        self.fsync = fsync
+        self.after = after
+        self.fut = fut
+        self.lock = threading.Lock()
+        self.outstanding = 1                # a guard until every first piece is sent
+        self.errors: list[tuple[int, BaseException]] = []
+        self.dyn: deque[_Piece] = deque()
+        self.inflight = [0] * len(sf._files)
+        self.touched: set[int] = set()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.allocated = False
+
+    def start(self, fixed: list[tuple[_Piece, int, int]], dyn: list[_Piece]) -> None:
+        sf = self.sf
+        order: list[int] = []
+        if dyn:
+            self.dyn.extend(dyn)
+            order = sorted(range(len(sf._files)),
+                           key=lambda d: (sf._busy[d], (d - dyn[0].k) % len(sf._files)))
+        try:
+            for p, d, slot in fixed:
+                self._send(p, d, slot, False)
+            if dyn:
+                for _ in range(sf._window):
+                    for d in order:
+                        if not self._send_next(d):
+                            break
+        finally:
+            self._one_done()
+
+    def _send_next(self, d: int) -> bool:
+        with self.lock:
+            if not self.dyn:
+                return False
+            p = self.dyn.popleft()
+        dd, slot = self.sf._allocate(p.k, d)
+        self.allocated = True
+        self._send(p, dd, slot, True)
+        return True
+
+    def _send(self, p: _Piece, d: int, slot: int, dynamic: bool) -> None:
+        sf = self.sf
+        f = sf._files[d]
+        with self.lock:
+            self.outstanding += 1
+            self.touched.add(d)
+            if dynamic:
+                self.inflight[d] += 1
+        with sf._lock:
+            sf._busy[d] += 1
+        view = self.flat[p.at:p.at + p.length]
+        off = slot * sf._unit + p.inner
+        try:
+            fut = f.pwrite(view, off, async_op=True) if self.write else \
+                f.pread(view, off, async_op=True)
+            assert isinstance(fut, IOFuture)
+        except BaseException as exc:
+            self._piece_done(d, dynamic, p.at, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        fut.add_done_callback(lambda fu: self._piece_done(d, dynamic, p.at, fu.exception()))
+
+    def _piece_done(self, d: int, dynamic: bool, at: int, exc: BaseException | None) -> None:
+        sf = self.sf
+        with sf._lock:
+            sf._busy[d] -= 1
+        more = False
+        with self.lock:
+            if dynamic:
+                self.inflight[d] -= 1
+            if exc is not None:
+                self.errors.append((at, exc))
+                self.dyn.clear()            # the request fails: hand out no more units
+            elif dynamic and self.dyn:
+                more = True
+        if more:
+            self._send_next(d)
+        self._one_done()
+
+    def _one_done(self) -> None:
+        with self.lock:
+            self.outstanding -= 1
+            last = self.outstanding == 0
+        if last:
+            self.sf._finish(self)
+
+
+class StripedFile:
+    """One logical file over part files on several drives (see :func:`open_striped`).
+
+    The face of an :class:`~aioswap.AioFile`: ``pread``/``pwrite`` take the handle's
+    arguments without ``file`` (any buffer, size and offset; ``async_op=True`` returns an
+    :class:`~aioswap.IOFuture`), plus ``fsync``, ``size``, ``wait`` and ``close``.
+
+    Attributes
+    ----------
+    name : str
+        ``"stripe[<part 0>, <part 1>, ...]"``, parts in layout order.
+    paths : tuple of str
+        The part files in layout order (part ``i`` is ``paths[i]``).
+    stripe_unit : int
+        Bytes per stripe unit.
+    handles : tuple of AioHandle
+        The drive handle of each part (parts on one device share one).
+    id : str
+        The layout's identity (32 hex digits), the same in every part's sidecar.
+    """
+
+    def __init__(self, handle: AioHandle, paths: Sequence[PathLike], mode: str = "r", *,
+                 stripe: int | None = None, perm: int = DEFAULT_FILE_MODE) -> None:
+        self._closed = True
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
+        if isinstance(paths, (str, bytes)) or not isinstance(paths, Sequence):
+            raise TypeError("paths must be a list or tuple of paths, one per drive")
+        names = [os.path.abspath(os.fsdecode(p)) for p in paths]
+        if not 1 <= len(names) <= _MAX_PARTS:
+            raise ValueError(f"a striped file has 1 to {_MAX_PARTS} parts, got {len(names)}")
+        if len({os.path.realpath(p) for p in names}) != len(names):
+            raise ValueError(f"the part paths must be distinct files: {names}")
+        if stripe is not None:
+            stripe = int(stripe)
+            if stripe <= 0 or stripe % _ALIGN:
+                raise ValueError(f"stripe must be a positive multiple of {_ALIGN}, got {stripe}")
+        if handle.closed:
+            raise HandleClosedError("open of a striped file on a closed AioHandle")
+        self._handle = handle
+        self.readable = True
+        self.writable = mode != "r"
+        existing = [os.path.exists(_sidecar(p)) for p in names]
+        if mode in ("r", "r+") or (mode == "a+" and all(existing)):
+            names, doc = self._load(names, stripe)
+        elif mode == "a+" and any(existing):
+            missing = [p for p, e in zip(names, existing) if not e]
+            raise FileExistsError(errno.EEXIST, "some parts have a stripe layout and some do "
+                                  "not; give the full set of parts", missing[0])
+        else:
+            doc = None
+        unit = doc["stripe_unit"] if doc is not None else \
+            (stripe if stripe is not None else default_stripe(handle))
+        self._unit: int = unit
+        self.stripe_unit = unit
+        self.paths = tuple(names)
+        self.name = "stripe[" + ", ".join(repr(p) for p in names) + "]"
+        self._perm = perm
+        self._lock = threading.Lock()           # layout, counters, open ops
+        self._idle = threading.Condition(self._lock)
+        self._save_lock = threading.Lock()
+        self._busy = [0] * len(names)
+        self._ops = 0
+        self._unwaited = 0
+        self._errors: list[BaseException] = []
+        self._saved_gen = 0
+        win = handle.queue_depth * handle.block_size // unit
+        self._window = max(2, min(8, win))
+        if doc is None:
+            self.id = uuid.uuid4().hex
+            self._gen = 0
+            self._size = 0
+            self._drive: list[int] = []
+            self._slot: list[int] = []
+        else:
+            self.id = doc["id"]
+            self._gen = doc["generation"]
+            self._saved_gen = self._gen
+            self._size = doc["size"]
+            self._drive = doc["drives"]
+            self._slot = doc["slots"] if doc["slots"] is not None else _ranks(self._drive)
+        self._next = [0] * len(names)           # next free slot per part
+        self._last = [-1] * len(names)          # the unit in each part's highest slot
+        for k, (d, s) in enumerate(zip(self._drive, self._slot)):
+            if d != _NONE and s >= self._next[d]:
+                self._next[d], self._last[d] = s + 1, k
+        self._files: list[AioFile] = []
+        self._devs: list[int] = []
+        hs: list[AioHandle] = []
+        self.handles: tuple[AioHandle, ...] = ()
+        try:
+            fmode = {"w+": "w"}.get(mode, mode)
+            for p in names:
+                dev = os.stat(os.path.dirname(p) or ".").st_dev
+                dh = _acquire_drive(handle, dev)
+                self._devs.append(dev)
+                hs.append(dh)
+                self._files.append(dh.open(p, fmode, perm=perm))
+            for f in self._files:
+                if unit % max(f.off_align, 1) or unit % max(f.mem_align, 1):
+                    raise ValueError(f"stripe unit {unit} is not a multiple of the direct-I/O "
+                                     f"alignment of {f.name} ({f.off_align})")
+            self.handles = tuple(hs)
+            if doc is None:
+                self._closed = False
+                self._save(durable=True, force=True)
+        except BaseException:
+            self._closed = False
+            self._close_parts()
+            raise
+        self._closed = False
+
+    # -- opening --------------------------------------------------------------------------
+    @staticmethod
+    def _load(names: list[str], stripe: int | None) -> tuple[list[str], dict[str, Any]]:
+        docs = [read_layout(p) for p in names]
+        first = docs[0]
+        for p, doc in zip(names, docs):
+            if doc["id"] != first["id"] or doc["parts"] != first["parts"]:
+                raise ValueError(f"{_sidecar(p)!r} belongs to another striped file (layout "
+                                 f"{doc['id']} of {doc['parts']} parts, not {first['id']} of "
+                                 f"{first['parts']})")
+            if doc["stripe_unit"] != first["stripe_unit"]:
+                raise ValueError(f"{_sidecar(p)!r}: stripe unit differs from the other parts")
+        if first["parts"] != len(names) or sorted(d["part"] for d in docs) != \
+                list(range(len(names))):
+            raise ValueError(f"the striped file {first['id']} has {first['parts']} parts; "
+                             f"give each of them once (got {len(names)}: {names})")
+        if stripe is not None and stripe != first["stripe_unit"]:
+            raise ValueError(f"stripe={stripe} given, but the file was written with a stripe "
+                             f"unit of {first['stripe_unit']}")
+        order = sorted(range(len(names)), key=lambda i: docs[i]["part"])
+        newest = max(docs, key=lambda d: d["generation"])
+        return [names[i] for i in order], newest
+
+    # -- layout ---------------------------------------------------------------------------
+    def _allocate(self, k: int, d: int) -> tuple[int, int]:
+        """The part and slot of unit ``k``, giving it to part ``d`` if it has none yet."""
+        with self._lock:
+            drive = self._drive
+            if k >= len(drive):
+                grow = k + 1 - len(drive)
+                drive.extend([_NONE] * grow)
+                self._slot.extend([-1] * grow)
+            if drive[k] == _NONE:
+                drive[k] = d
+                self._slot[k] = self._next[d]
+                self._next[d] += 1
+                self._last[d] = k
+                self._gen += 1
+            return drive[k], self._slot[k]
+
+    def _save(self, durable: bool, force: bool = False) -> None:
+        """Write the layout beside every part (when it changed, or ``force``)."""
+        with self._save_lock:
+            with self._lock:
+                gen = self._gen
+                if gen == self._saved_gen and not force:
+                    return
+                drive = list(self._drive)
+                slot = list(self._slot)
+                size = self._size
+            implied = slot == _ranks(drive)
+            body = {"format": LAYOUT_FORMAT, "version": LAYOUT_VERSION, "id": self.id,
+                    "parts": len(self.paths), "stripe_unit": self._unit,
+                    "generation": gen, "size": size, "stripes": len(drive),
+                    "drives": base64.b64encode(zlib.compress(bytes(drive))).decode(),
+                    "slots": None if implied else base64.b64encode(zlib.compress(
+                        np.asarray(slot, "<i8").tobytes())).decode()}
+            for i, p in enumerate(self.paths):
+                doc = dict(body, part=i)
+                side = _sidecar(p)
+                tmp = f"{side}.tmp"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                             self._perm)
+                try:
+                    os.write(fd, json.dumps(doc, sort_keys=True).encode())
+                    if durable:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, side)
+                if durable:
+                    fsync_dir(os.path.dirname(side) or ".")
+            self._saved_gen = gen
+
+    def _cover(self) -> None:
+        """Extend each part so every unit's bytes below the logical size can be read."""
+        with self._lock:
+            size, unit = self._size, self._unit
+            needs = [(i, self._next[i] - 1, self._last[i]) for i in range(len(self._files))]
+        for i, slot, k in needs:
+            if k < 0 or k * unit >= size:
+                continue
+            need = slot * unit + min(unit, size - k * unit)
+            f = self._files[i]
+            fd = f.fileno()
+            if os.fstat(fd).st_size < need:
+                os.posix_fallocate(fd, need - 1, 1)     # extends, never shrinks
+
+    # -- requests -------------------------------------------------------------------------
+    def _check(self, what: str) -> None:
+        if self._closed:
+            raise ValueError(f"I/O on closed file {self.name}")
+        if self._handle.closed:
+            raise HandleClosedError(f"{what} of {self.name} on a closed AioHandle")
+
+    def size(self) -> int:
+        """The logical size in bytes."""
+        return self._size
+
+    def pread(self, buffer: Any, offset: int = 0, *, nbytes: int | None = None,
+              async_op: bool = False) -> int | IOFuture:
+        """Read into ``buffer`` at logical ``offset`` (see :meth:`aioswap.AioHandle.pread`).
+
+        Raises ShortReadError past the end (before any I/O); an error on one drive fails the
+        request with that drive's error (naming its part file) once every piece finished.
+        """
+        return self._request(False, buffer, offset, nbytes, async_op, False)
+
+    def pwrite(self, buffer: Any, offset: int = 0, *, nbytes: int | None = None,
+               async_op: bool = False, fsync: bool = False) -> int | IOFuture:
+        """Write ``buffer`` at logical ``offset`` (see :meth:`aioswap.AioHandle.pwrite`);
+        ``fsync=True``: the parts and then the layout are durable when it completes."""
+        if not self.writable:
+            raise PermissionError(f"{self.name} is not open for writing")
+        return self._request(True, buffer, offset, nbytes, async_op, fsync)
+
+    def _flat(self, buffer: Any, write: bool, n: int | None,
+              offset: int) -> tuple[Any, int, Callable[[], None] | None]:
+        """A flat byte view of the buffer (or of a staged copy, copied back after a read)."""
+        mem = resolve(buffer)
+        count = mem.nbytes if n is None else int(n)
+        op = "write" if write else "read"
+        if count < 0 or count > mem.nbytes:
+            raise ValueError(f"{op} of {count} bytes at offset {offset} of {self.name}: the "
+                             f"buffer holds {mem.nbytes} bytes")
+        if not write and not mem.writable:
+            raise ValueError(f"read of {count} bytes from {self.name} into a read-only buffer "
+                             f"({type(buffer).__name__})")
+        after: Callable[[], None] | None = None
+        if mem.tensor is not None:
+            t = mem.tensor
+            if mem.contiguous or write:
+                flat = flat_bytes(t)
+            else:
+                tmp = t.detach().resolve_conj().resolve_neg().contiguous()
+                flat = flat_bytes(tmp)
+
+                def after_t() -> None:
+                    t.detach().copy_(tmp)
+                after = after_t
+        else:
+            arr = mem.array
+            if mem.contiguous:
+                flat = arr.reshape(-1).view(np.uint8)
+            elif write:
+                flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+            else:
+                tmp_a = np.ascontiguousarray(arr)
+                flat = tmp_a.reshape(-1).view(np.uint8)
+
+                def after_a() -> None:
+                    np.copyto(arr, tmp_a)
+                after = after_a
+        return flat, count, after
+
+    def _request(self, write: bool, buffer: Any, offset: Any, nbytes: Any, async_op: bool,
+                 fsync: bool) -> int | IOFuture:
+        op = "write" if write else "read"
+        self._check(op)
+        if type(offset) is not int:
+            if isinstance(offset, bool) or not hasattr(offset, "__index__"):
+                raise TypeError(f"offset must be an integer, got {type(offset).__name__}")
+            offset = offset.__index__()
+        if offset < 0:
+            raise ValueError(f"negative file offset {offset} for {self.name}")
+        flat, n, after = self._flat(buffer, write, nbytes, offset)
+        if not write and n and offset + n > self._size:
+            raise ShortReadError(f"read of {n} bytes at offset {offset} from {self.name} goes "
+                                 f"past the end of the file ({self._size} bytes)",
+                                 path=self.name, offset=offset, nbytes=n,
+                                 file_size=self._size)
+        fut = IOFuture(op, self.name, n, offset) if async_op else None
+        fixed: list[tuple[_Piece, int, int]] = []
+        dyn: list[_Piece] = []
+        unit = self._unit
+        pos, at, end = offset, 0, offset + n
+        with self._lock:
+            drive, slots = self._drive, self._slot
+            while pos < end:
+                k, inner = divmod(pos, unit)
+                length = min(unit - inner, end - pos)
+                p = _Piece(k, inner, length, at)
+                d = drive[k] if k < len(drive) else _NONE
+                if d != _NONE:
+                    fixed.append((p, d, slots[k]))
+                elif write:
+                    dyn.append(p)
+                else:
+                    flat[at:at + length] = 0        # a hole reads as zeros
+                pos += length
+                at += length
+            self._ops += 1
+        o = _Op(self, write, flat, offset, n, fsync, after, fut)
+        try:
+            o.start(fixed, dyn)
+        except BaseException:
+            o.done.wait()
+            raise
+        if fut is not None:
+            return fut
+        try:
+            o.done.wait()
+        except BaseException:
+            o.done.wait()           # the kernel may still write the buffer: drain first
+            raise
+        if o.error is not None:
+            raise o.error
+        return n
+
+    def _finish(self, o: _Op) -> None:
+        """Every piece of ``o`` is over: layout, copy-back, result (any thread)."""
+        error: BaseException | None = None
+        if o.errors:
+            error = min(o.errors, key=lambda e: e[0])[1]
+        try:
+            if o.write:
+                with self._lock:
+                    if error is None and o.offset + o.n > self._size:
+                        self._size = o.offset + o.n
+                        self._gen += 1
+                        grew = True
+                    else:
+                        grew = False
+                if grew or o.allocated:
+                    self._cover()
+                if o.fsync and error is None:
+                    for d in sorted(o.touched):
+                        self._files[d].fsync()
+                self._save(durable=o.fsync and error is None)
+            elif o.after is not None and error is None:
+                o.after()
+        except Exception as exc:
+            if error is None:
+                error = exc
+        o.error = error
+        fut = o.fut
+        with self._lock:
+            if fut is not None:
+                self._unwaited += 1
+                if error is not None:
+                    self._errors.append(error)
+            self._ops -= 1
+            if not self._ops:
+                self._idle.notify_all()
+        o.done.set()
+        if fut is not None:
+            if error is None:
+                fut.set_result(o.n)
+            else:
+                fut.set_exception(error)
+
+    # -- the rest of a file's face --------------------------------------------------------
+    def wait(self) -> int:
+        """Finish every asynchronous request of this file; how many finished since the last
+        ``wait()``; then raise the first error among them."""
+        with self._lock:
+            while self._ops:
+                self._idle.wait()
+            n, errors = self._unwaited, self._errors
+            self._unwaited, self._errors = 0, []
+        if errors:
+            raise errors[0]
+        return n
+
+    def fsync(self) -> None:
+        """Make the data written so far and the layout durable."""
+        self._check("fsync")
+        for f in self._files:
+            f.fsync()
+        self._save(durable=True, force=True)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Wait for the requests in flight, save the layout, close the parts. Idempotent."""
+        if self._closed:
+            return
+        with self._lock:
+            while self._ops:
+                self._idle.wait()
+        try:
+            if self.writable:
+                self._save(durable=False)
+        finally:
+            self._close_parts()
+
+    def _close_parts(self) -> None:
+        self._closed = True
+        files, self._files = self._files, []
+        devs, self._devs = self._devs, []
+        for f in files:
+            f.close()
+        for dev in devs:
+            _release_drive(self._handle, dev)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self._size} bytes"
+        return f"<StripedFile {self.name} unit {self._unit} {state}>"
+
+
+def open_striped(handle: AioHandle, paths: Sequence[PathLike], mode: str = "r", *,
+                 stripe: int | None = None, perm: int = DEFAULT_FILE_MODE) -> StripedFile:
+    """Open one logical file striped over ``paths`` (one part file per drive).
+
+    Parameters
+    ----------
+    handle : AioHandle
+        Its configuration (block size, queue depth, lanes, backend) is what each drive's own
+        handle gets; it must stay open while the file is.
+    paths : list or tuple of path
+        One part file per drive. Reopening takes the parts in any order.
+    mode : {"r", "r+", "w", "w+", "x", "a+"}
+        As :meth:`aioswap.AioHandle.open`; ``"w"``/``"x"`` start a new layout, ``"a+"`` reopens
+        an existing one or starts a new one.
+    stripe : int, optional
+        Bytes per stripe unit for a new file, a multiple of 4096 and of the drives' direct-I/O
+        alignment; default :func:`default_stripe`. Reopening uses the recorded one.
+    perm : int
+        Mode bits of created parts and sidecars (0o600).
+
+    Returns
+    -------
+    StripedFile
+    """
+    return StripedFile(handle, paths, mode, stripe=stripe, perm=perm)

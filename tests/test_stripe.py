@@ -1,0 +1,295 @@
+"""Striped files: byte-exact against plain os.pwrite/os.pread, reopening, failing drives."""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import random
+import shutil
+import stat
+import struct
+import subprocess
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import aioswap
+from aioswap.errors import HandleClosedError, ShortReadError
+from aioswap.stripe import LAYOUT_SUFFIX, StripedFile, default_stripe, read_layout
+
+UNIT = 8192
+
+
+def _parts(root: Path, n: int, name: str = "x.bin") -> list[str]:
+    out = []
+    for i in range(n):
+        d = root / f"drive{i}"
+        d.mkdir(exist_ok=True)
+        out.append(str(d / name))
+    return out
+
+
+def _rand(n: int) -> np.ndarray:
+    return np.frombuffer(os.urandom(n), np.uint8).copy()
+
+
+@pytest.mark.parametrize("nparts", [1, 2, 3, 4])
+def test_round_trips_match_a_plain_file(tmp_path: Path, nparts: int) -> None:
+    rng = random.Random(nparts)
+    ref = os.open(tmp_path / "ref.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        with aioswap.AioHandle(block_size=64 << 10) as h, \
+                h.open(_parts(tmp_path, nparts), "w+", stripe=UNIT) as f:
+            assert isinstance(f, StripedFile)
+            for _ in range(40):
+                off = rng.randrange(0, 12 * UNIT)
+                n = rng.choice([1, 511, 4095, 4096, 4097, UNIT - 1, UNIT, UNIT + 1,
+                                3 * UNIT + 17, rng.randrange(1, 7 * UNIT)])
+                data = _rand(n)
+                kind = rng.randrange(3)
+                buf = data if kind == 0 else torch.from_numpy(data.copy()) if kind == 1 \
+                    else bytearray(data.tobytes())
+                assert f.pwrite(buf, off) == n
+                os.pwrite(ref, data.tobytes(), off)
+            size = os.fstat(ref).st_size
+            assert f.size() == size
+            for _ in range(40):
+                off = rng.randrange(0, size)
+                n = rng.randrange(1, size - off + 1)
+                out = np.zeros(n, np.uint8)
+                assert f.pread(out, off) == n
+                assert out.tobytes() == os.pread(ref, n, off)
+            whole = h.new_cpu_locked_tensor(size, torch.uint8)      # pinned: direct path
+            assert f.pread(whole, 0) == size
+            assert whole.numpy().tobytes() == os.pread(ref, size, 0)
+            with pytest.raises(ShortReadError):
+                f.pread(np.zeros(2, np.uint8), size - 1)
+    finally:
+        os.close(ref)
+
+
+def test_reopen_in_another_order_and_layout_file(tmp_path: Path) -> None:
+    parts = _parts(tmp_path, 4)
+    data = _rand(13 * UNIT + 123)
+    with aioswap.AioHandle() as h:
+        with h.open(parts, "w", stripe=UNIT) as f:
+            f.pwrite(data, 5)
+            ident = f.id
+        for order in (parts[::-1], [parts[2], parts[0], parts[3], parts[1]]):
+            with h.open(order, "r") as f:
+                assert f.paths == tuple(parts)          # layout order, not the given one
+                assert f.stripe_unit == UNIT and f.id == ident
+                out = np.zeros(data.size, np.uint8)
+                f.pread(out, 5)
+                assert (out == data).all()
+                head = np.ones(5, np.uint8)
+                f.pread(head, 0)
+                assert not head.any()
+                with pytest.raises(PermissionError):
+                    f.pwrite(data[:1], 0)
+        with pytest.raises(ValueError, match="stripe unit"):
+            h.open(parts, "r", stripe=2 * UNIT)
+        with pytest.raises(ValueError, match="parts"):
+            h.open(parts[:3], "r")
+        other = _parts(tmp_path, 4, "y.bin")
+        h.open(other, "w").close()
+        with pytest.raises(ValueError, match="another striped file"):
+            h.open(parts[:3] + other[3:], "r")
+    for i, p in enumerate(parts):
+        side = p + LAYOUT_SUFFIX
+        assert stat.S_IMODE(os.stat(side).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
+        doc = json.loads(Path(side).read_text())
+        assert doc["part"] == i and doc["format"] == "aioswap.stripe"
+        lay = read_layout(p)
+        assert lay["size"] == data.size + 5 and len(lay["drives"]) == 14
+
+
+def test_appends_round_robin_and_holes_read_zero(tmp_path: Path) -> None:
+    parts = _parts(tmp_path, 3)
+    with aioswap.AioHandle() as h:
+        with h.open(parts, "w+", stripe=UNIT) as f:
+            for k in range(6):
+                f.pwrite(np.full(UNIT, k + 1, np.uint8), k * UNIT)
+            f.pwrite(np.full(10, 9, np.uint8), 20 * UNIT + 3)      # units 6..19 are holes
+            out = np.ones(f.size(), np.uint8)
+            f.pread(out, 0)
+        lay = read_layout(parts[0])
+        assert lay["drives"][:6] == [0, 1, 2, 0, 1, 2]
+        assert lay["drives"][6:20] == [255] * 14
+        assert [int(x) for x in out[:6 * UNIT:UNIT]] == [1, 2, 3, 4, 5, 6]
+        assert not out[6 * UNIT:20 * UNIT + 3].any() and (out[-10:] == 9).all()
+        with h.open(parts, "r+") as f:        # a write into a hole allocates it
+            f.pwrite(np.full(3, 7, np.uint8), 10 * UNIT + 1)
+            back = np.zeros(5, np.uint8)
+            f.pread(back, 10 * UNIT)
+            assert back.tolist() == [0, 7, 7, 7, 0]
+
+
+def test_views_async_and_wait(tmp_path: Path) -> None:
+    with aioswap.AioHandle() as h, h.open(_parts(tmp_path, 3), "w+", stripe=UNIT) as f:
+        src = torch.randn(300, 70)
+        col = src[:, 3]                                  # strided
+        f.pwrite(col, 100)
+        out = torch.zeros(600, 7)[::2, 2]                # strided destination
+        f.pread(out, 100)
+        assert torch.equal(out, col)
+        big = torch.randn(50_000)
+        futs = [f.pwrite(big[i * 5000:(i + 1) * 5000], 4096 + i * 20_000, async_op=True)
+                for i in range(10)]
+        assert f.wait() == 10
+        assert all(fu.result() == 20_000 for fu in futs)
+        back = torch.empty(50_000)
+        fut = f.pread(back, 4096, async_op=True)
+        assert isinstance(fut, aioswap.IOFuture) and fut.result() == 200_000
+        assert torch.equal(back, big)
+        f.fsync()
+
+
+def test_dynamic_units_follow_the_free_drive(tmp_path: Path) -> None:
+    """Units of one write go to whichever drive finishes first; the map records it, so a
+    reopened file reads them back even when the slots are not the round-robin ones."""
+    parts = _parts(tmp_path, 2)
+    data = _rand(64 * UNIT)
+    with aioswap.AioHandle() as h:
+        with h.open(parts, "w+", stripe=UNIT) as f:
+            slow = f.handles[0]
+            # the first part's drive finishes each unit 50 ms late
+            orig = f._files[0].pwrite
+
+            def late(view, off, async_op=False):         # type: ignore[no-untyped-def]
+                real = orig(view, off, async_op=True)
+                out = aioswap.IOFuture("write", "slow", len(view), off)
+                threading.Timer(0.05, lambda: out.set_result(real.result())).start()
+                return out
+            f._files[0].pwrite = late                    # type: ignore[method-assign]
+            f.pwrite(data, 0)
+            assert slow is f.handles[0]
+        lay = read_layout(parts[0])
+        assert lay["drives"].count(1) > 2 * lay["drives"].count(0)
+        assert lay["slots"] is None             # one writer: slots in unit order
+        with h.open(parts[::-1], "r") as f:
+            out = np.zeros(data.size, np.uint8)
+            f.pread(out, 0)
+            assert (out == data).all()
+
+
+def test_a_bad_part_fails_only_its_requests(tmp_path: Path) -> None:
+    parts = _parts(tmp_path, 3)
+    data = _rand(12 * UNIT)
+    with aioswap.AioHandle() as h, h.open(parts, "w+", stripe=UNIT) as f:
+        f.pwrite(data, 0)
+        os.truncate(parts[1], 0)                        # the drive lost its data
+        with pytest.raises(ShortReadError, match=str(parts[1])):
+            f.pread(np.zeros(data.size, np.uint8), 0)
+        drives = read_layout(parts[0])["drives"]
+        for k, d in enumerate(drives):
+            out = np.zeros(UNIT, np.uint8)
+            if d == 1:
+                with pytest.raises(ShortReadError, match=str(parts[1])):
+                    f.pread(out, k * UNIT)
+            else:
+                f.pread(out, k * UNIT)
+                assert (out == data[k * UNIT:(k + 1) * UNIT]).all()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_close_releases_fds_and_threads(tmp_path: Path) -> None:
+    h = aioswap.AioHandle()
+    try:
+        h.open(_parts(tmp_path, 2), "w").close()    # warm up
+        fds, threads = _fds(), threading.active_count()
+        for _ in range(3):
+            with h.open(_parts(tmp_path, 3), "w+", stripe=UNIT) as f:
+                f.pwrite(_rand(5 * UNIT), 0, async_op=True)
+            assert f.closed
+            with pytest.raises(ValueError, match="closed"):
+                f.pread(np.zeros(1, np.uint8), 0)
+        assert _fds() == fds
+        assert threading.active_count() <= threads
+        f = h.open(_parts(tmp_path, 2, "z.bin"), "a+")
+    finally:
+        h.close()
+    with pytest.raises(HandleClosedError):
+        f.pwrite(b"x", 0)
+    f.close()
+    assert default_stripe(h) >= h.block_size
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with aioswap.AioHandle() as h:
+        with pytest.raises(ValueError, match="stripe"):
+            h.open(_parts(tmp_path, 2), "w", stripe=1000)
+        with pytest.raises(ValueError, match="distinct"):
+            h.open([str(tmp_path / "a"), str(tmp_path / "a")], "w")
+        with pytest.raises(FileNotFoundError):
+            h.open(_parts(tmp_path, 2, "none.bin"), "r")
+        with pytest.raises(ValueError, match="mode"):
+            h.open(_parts(tmp_path, 2), "rw")
+
+
+# -- a drive that fails mid-read (root: ext4 on a loop device, then EXT4_IOC_SHUTDOWN) --------
+_EXT4_IOC_SHUTDOWN = 0x8004587D          # _IOR('X', 125, __u32)
+_NOLOGFLUSH = 2
+
+
+def _root_loops() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (loop devices, mount)"
+    for tool in ("losetup", "mkfs.ext4", "mount"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    return None
+
+
+@pytest.mark.skipif(_root_loops() is not None, reason=str(_root_loops()))
+def test_a_failing_drive_fails_only_its_requests(tmp_path: Path) -> None:
+    img = tmp_path / "drive.img"
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    with open(img, "wb") as fh:
+        fh.truncate(64 << 20)
+    loop = subprocess.run(["losetup", "-f", "--show", "--direct-io=on", str(img)],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    mounted = False
+    try:
+        subprocess.run(["mkfs.ext4", "-q", loop], check=True, capture_output=True)
+        subprocess.run(["mount", loop, str(mnt)], check=True, capture_output=True)
+        mounted = True
+        parts = _parts(tmp_path, 2) + [str(mnt / "x.bin")]
+        data = _rand(24 * UNIT)
+        with aioswap.AioHandle() as h, h.open(parts, "w+", stripe=UNIT) as f:
+            f.pwrite(data, 0)
+            drives = read_layout(parts[0])["drives"]
+            on_bad = [k for k, d in enumerate(drives) if d == 2]
+            fine = [k for k, d in enumerate(drives) if d != 2]
+            assert on_bad and fine
+            fd = os.open(mnt, os.O_RDONLY)
+            try:
+                fcntl.ioctl(fd, _EXT4_IOC_SHUTDOWN, struct.pack("I", _NOLOGFLUSH))
+            finally:
+                os.close(fd)
+            outs = {k: np.zeros(UNIT, np.uint8) for k in range(len(drives))}
+            futs = {k: f.pread(outs[k], k * UNIT, async_op=True) for k in outs}
+            for k in fine:
+                assert futs[k].result() == UNIT
+                assert (outs[k] == data[k * UNIT:(k + 1) * UNIT]).all()
+            for k in on_bad:
+                exc = futs[k].exception()
+                assert isinstance(exc, OSError) and exc.errno == errno.EIO
+                assert parts[2] in str(exc)
+            with pytest.raises(OSError, match=parts[2]):
+                f.pread(np.zeros(data.size, np.uint8), 0)
+            with pytest.raises(OSError):
+                f.wait()
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        subprocess.run(["losetup", "-d", loop], capture_output=True)
