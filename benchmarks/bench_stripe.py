@@ -1,0 +1,298 @@
+"""Striping over several drives: aioswap against fio on every drive at once and btrfs raid0.
+
+Root only. N drives are simulated with loop devices over image files in ``--dir``
+(``losetup --direct-io=on``), each with its own ext4, each capped with cgroup v1
+``blkio.throttle.{read,write}_bps_device`` (and ``_iops_device`` for the 4 KiB case) on its
+MAJ:MIN, in a cgroup of its own that this process (and fio, its child) joins. Everything is
+torn down at the end, also on Ctrl-C or SIGTERM: the process leaves the cgroup, the cgroup
+is removed, file systems unmounted, loops detached, images deleted.
+
+For each N in ``--drives`` and each request size (1 MiB sequential, 4 KiB random):
+
+* ``fio sum``: one fio job per drive, all at once (libaio, O_DIRECT, iodepth 32), on a file
+  on each drive's ext4; the figure is the sum of the jobs' bandwidths;
+* ``btrfs raid0``: ``mkfs.btrfs -d raid0 -m raid0`` over the same throttled loops, fio on
+  one file there (``numjobs`` = N, iodepth 32);
+* ``aioswap``: ``h.open([part on each drive], "w+")``, the whole transfer as async requests
+  of that size (at most 32 x N in flight), then read back the same way.
+
+Then the uneven case (N = 4, one drive capped at half speed): aioswap striped write and read
+against the sum of the caps (a static round-robin split would get about 4 x 0.5 / 3.5 = 0.57).
+
+Units: GB/s (10^9 B/s); ratios are aioswap / other (bigger is better). Tiny defaults make a
+smoke test; ``--size 2G --cap 300M`` (choose N x cap <= 0.7 x the disk's own bandwidth) are
+real sizes. Figures taken while other work runs on the machine are rough.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+
+import aioswap
+from aioswap.cli import GB, UNITS_NOTE, parse_size
+
+CGROUP = "/sys/fs/cgroup/blkio"
+QD = 32
+
+
+def _run(*cmd: str) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip() or done.stdout.strip()}")
+    return done.stdout
+
+
+def why_not() -> str | None:
+    """Why this benchmark cannot run here (None: it can)."""
+    if os.geteuid() != 0:
+        return "needs root (loop devices, mounts, cgroup throttles)"
+    for tool in ("losetup", "mkfs.ext4", "mount", "fio"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    if not os.path.isfile(f"{CGROUP}/blkio.throttle.read_bps_device"):
+        return "cgroup v1 blkio throttling is not mounted at " + CGROUP
+    return None
+
+
+class Rig:
+    """Loop devices, their file systems and throttles; ``close()`` undoes all of it."""
+
+    def __init__(self, base: str, n: int, image: int) -> None:
+        self.base = base
+        self.loops: list[str] = []
+        self.devs: list[str] = []          # MAJ:MIN
+        self.mounts: list[str] = []
+        self.cg = f"{CGROUP}/aioswap-bench-{os.getpid()}"
+        self.joined = False
+        try:
+            for i in range(n):
+                img = os.path.join(base, f"drive{i}.img")
+                with open(img, "wb") as f:
+                    f.truncate(image)
+                loop = _run("losetup", "-f", "--show", "--direct-io=on", img).strip()
+                self.loops.append(loop)
+                st = os.stat(loop)
+                self.devs.append(f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}")
+            os.mkdir(self.cg)
+            with open(f"{self.cg}/cgroup.procs", "w") as f:
+                f.write(str(os.getpid()))
+            self.joined = True
+        except BaseException:
+            self.close()
+            raise
+
+    def throttle(self, caps: Sequence[tuple[int, int, int, int]]) -> None:
+        """Per drive (read B/s, write B/s, read IOPS, write IOPS); 0 lifts a limit."""
+        for dev, cap in zip(self.devs, caps):
+            for key, v in zip(("read_bps", "write_bps", "read_iops", "write_iops"), cap):
+                with open(f"{self.cg}/blkio.throttle.{key}_device", "w") as f:
+                    f.write(f"{dev} {v}")
+
+    def ext4(self) -> list[str]:
+        self.unmount()
+        for i, loop in enumerate(self.loops):
+            _run("mkfs.ext4", "-q", "-F", "-E", "nodiscard", loop)
+            mnt = os.path.join(self.base, f"mnt{i}")
+            os.makedirs(mnt, exist_ok=True)
+            _run("mount", loop, mnt)
+            self.mounts.append(mnt)
+        return list(self.mounts)
+
+    def btrfs(self) -> str:
+        self.unmount()
+        _run("mkfs.btrfs", "-q", "-f", "-d", "raid0", "-m", "raid0", *self.loops)
+        mnt = os.path.join(self.base, "btrfs")
+        os.makedirs(mnt, exist_ok=True)
+        _run("mount", self.loops[0], mnt)
+        self.mounts.append(mnt)
+        return mnt
+
+    def unmount(self) -> None:
+        while self.mounts:
+            m = self.mounts.pop()
+            subprocess.run(["umount", m], capture_output=True, check=False)
+
+    def close(self) -> None:
+        self.unmount()
+        if self.joined:
+            with open(f"{CGROUP}/cgroup.procs", "w") as f:
+                f.write(str(os.getpid()))
+            self.joined = False
+        if os.path.isdir(self.cg):
+            try:
+                os.rmdir(self.cg)
+            except OSError:
+                time.sleep(0.2)         # threads of a closing handle still leaving
+                os.rmdir(self.cg)
+        for loop in self.loops:
+            subprocess.run(["losetup", "-d", loop], capture_output=True, check=False)
+        self.loops.clear()
+        for i in range(len(self.devs)):
+            img = os.path.join(self.base, f"drive{i}.img")
+            if os.path.exists(img):
+                os.unlink(img)
+
+
+@contextmanager
+def rig(base: str, n: int, image: int) -> Iterator[Rig]:
+    def term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+    old = signal.signal(signal.SIGTERM, term)
+    r = Rig(base, n, image)
+    try:
+        yield r
+    finally:
+        r.close()
+        signal.signal(signal.SIGTERM, old)
+
+
+def fio(files: Sequence[str], rw: str, bs: int, size: int, numjobs: int = 1) -> float:
+    """fio on each file at once (one job per file, or ``numjobs`` on one file): total B/s."""
+    cmd = ["fio", "--ioengine=libaio", "--direct=1", f"--bs={bs}", f"--iodepth={QD}",
+           f"--rw={rw}", f"--size={size}", "--output-format=json", "--group_reporting=0",
+           "--randrepeat=0"]
+    if numjobs > 1:
+        cmd += ["--name=j", f"--filename={files[0]}", f"--numjobs={numjobs}",
+                f"--offset_increment={size}"]
+    else:
+        for i, f in enumerate(files):
+            cmd += [f"--name=j{i}", f"--filename={f}"]
+    out = json.loads(_fio_json(cmd))
+    key = "read" if "read" in rw else "write"
+    return float(sum(j[key]["bw_bytes"] for j in out["jobs"]))
+
+
+def _fio_json(cmd: Sequence[str]) -> str:
+    text = _run(*cmd)
+    return text[text.index("{"):]
+
+
+def aioswap_run(h: aioswap.AioHandle, parts: Sequence[str], bs: int, size: int,
+                rand: bool) -> tuple[float, float]:
+    """aioswap striped write then read of ``size`` bytes in requests of ``bs``: B/s each."""
+    n = size // bs
+    offs = [i * bs for i in range(n)]
+    if rand:
+        random.Random(1).shuffle(offs)
+    window = QD * len(parts)
+    buf = h.new_cpu_locked_tensor(min(size, window * bs), torch.uint8)
+    buf.random_(0, 256)
+    slots = buf.numel() // bs
+    rates = []
+    with h.open(list(parts), "w+") as f:
+        if rand:                    # random writes land in allocated units, as fio's do
+            f.pwrite(h.new_cpu_locked_tensor(size, torch.uint8), 0)
+        for write in (True, False):
+            t0 = time.perf_counter()
+            for start in range(0, n, window):
+                for j, off in enumerate(offs[start:start + window]):
+                    view = buf[(j % slots) * bs:(j % slots + 1) * bs]
+                    if write:
+                        f.pwrite(view, off, async_op=True)
+                    else:
+                        f.pread(view, off, async_op=True)
+                f.wait()
+            rates.append(size / (time.perf_counter() - t0))
+    return rates[0], rates[1]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", default=None, help="where the drive images go (default: a new "
+                   "directory under $TMPDIR)")
+    p.add_argument("--drives", default="2,4", help="numbers of drives (default: 2,4)")
+    p.add_argument("--size", default="64M", help="bytes per 1 MiB transfer (default: 64M)")
+    p.add_argument("--small", default="8M", help="bytes per 4 KiB random transfer "
+                   "(default: 8M)")
+    p.add_argument("--cap", default="100M", help="bytes/s per drive (default: 100M)")
+    p.add_argument("--iops", type=int, default=2000, help="4 KiB IOPS per drive "
+                   "(default: 2000)")
+    p.add_argument("--no-btrfs", action="store_true", help="leave btrfs raid0 out")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    reason = why_not()
+    if reason is not None:
+        print(f"bench_stripe: skipped: {reason}", file=sys.stderr)
+        return 0
+    size, small, cap = parse_size(args.size), parse_size(args.small), parse_size(args.cap)
+    btrfs = not args.no_btrfs and shutil.which("mkfs.btrfs") is not None
+    counts = [int(x) for x in args.drives.split(",")]
+    cases: list[dict[str, Any]] = []
+    with ExitStack() as stack:
+        base = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="stripe-"))
+        for n in sorted(set(counts) | {4}):
+            image = max(256 << 20, 2 * size // n + (64 << 20), 2 * small + (64 << 20))
+            with rig(base, n, image) as r, aioswap.AioHandle() as h:
+                for bs, total, rand in ((1 << 20, size, False), (4096, small, True)):
+                    if n not in counts:
+                        break
+                    caps = [(cap, cap, args.iops if rand else 0, args.iops if rand else 0)] * n
+                    r.throttle(caps)
+                    mnts = r.ext4()
+                    files = [os.path.join(m, "fio.bin") for m in mnts]
+                    per = total // n
+                    rw = "rand" if rand else ""
+                    fw = fio(files, rw + "write", bs, per)
+                    fr = fio(files, rw + "read", bs, per)
+                    parts = [os.path.join(m, "stripe.bin") for m in mnts]
+                    aw, ar = aioswap_run(h, parts, bs, total, rand)
+                    bw_ = br = float("nan")
+                    if btrfs:
+                        m = r.btrfs()
+                        bf = os.path.join(m, "fio.bin")
+                        bw_ = fio([bf], rw + "write", bs, per, numjobs=n)
+                        br = fio([bf], rw + "read", bs, per, numjobs=n)
+                    for op, a, fs, bt in (("write", aw, fw, bw_), ("read", ar, fr, br)):
+                        cases.append({"drives": n, "request": bs, "op": op,
+                                      "fio_sum": fs / GB, "btrfs_raid0": bt / GB,
+                                      "aioswap": a / GB, "vs_fio_sum": a / fs,
+                                      "vs_btrfs": a / bt if bt == bt else None})
+                if n == 4:          # one drive at half speed
+                    r.throttle([(cap, cap, 0, 0)] * 3 + [(cap // 2, cap // 2, 0, 0)])
+                    mnts = r.ext4()
+                    parts = [os.path.join(m, "stripe.bin") for m in mnts]
+                    aw, ar = aioswap_run(h, parts, 1 << 20, size, False)
+                    caps_sum = 3.5 * cap
+                    cases.append({"drives": 4, "request": 1 << 20, "op": "write, one at half",
+                                  "caps_sum": caps_sum / GB, "aioswap": aw / GB,
+                                  "vs_caps_sum": aw / caps_sum})
+                    cases.append({"drives": 4, "request": 1 << 20, "op": "read, one at half",
+                                  "caps_sum": caps_sum / GB, "aioswap": ar / GB,
+                                  "vs_caps_sum": ar / caps_sum})
+                r.unmount()
+    report = {"cap_bytes_per_s": cap, "iops_cap": args.iops, "size": size, "small": small,
+              "cases": cases, "units": UNITS_NOTE}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"striping over throttled loop devices: {cap / GB:.3f} GB/s per drive, "
+          f"{args.iops} IOPS for 4 KiB")
+    print(f"{'drives':>6} {'req':>5} {'op':<20} {'fio sum':>8} {'btrfs':>8} {'aioswap':>8} "
+          f"{'/fio':>6} {'/btrfs':>6}")
+    for c in cases:
+        other = c.get("fio_sum", c.get("caps_sum"))
+        ratio = c.get("vs_fio_sum", c.get("vs_caps_sum"))
+        vb = c.get("vs_btrfs")
+        print(f"{c['drives']:>6} {'1M' if c['request'] == 1 << 20 else '4K':>5} "
+              f"{c['op']:<20} {other:>8.3f} {c.get('btrfs_raid0', float('nan')):>8.3f} "
+              f"{c['aioswap']:>8.3f} {ratio:>6.2f} "
+              f"{'-' if vb is None else f'{vb:.2f}':>6}")
+    print(f"({UNITS_NOTE}; 'one at half' rows compare with the sum of the caps)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
