@@ -251,12 +251,104 @@ cdef bint _cache_put(void* addr, size_t mapped) noexcept:
 
 
 def _forget_cache_after_fork():
-    """A child inherits the parent's kept mappings unlocked (mlock is not inherited)."""
-    global _ncache, _cache_bytes
+    """A child inherits the parent's kept and reserved mappings unlocked (mlock is not
+    inherited)."""
+    global _ncache, _cache_bytes, _nreserve, _reserve_bytes
     while _ncache:
         _ncache -= 1
         munmap(_cache[_ncache].addr, _cache[_ncache].mapped)
     _cache_bytes = 0
+    while _nreserve:
+        _nreserve -= 1
+        munmap(_reserve[_nreserve].addr, _reserve[_nreserve].mapped)
+    _reserve_bytes = 0
+
+
+# Locked memory faulted in ahead of need (reserve_locked): page-locked allocations are
+# carved from the front of a reservation, so they cost no page fault and no mlock when they
+# are made. A carved piece is a mapping of its own from then on (freed like any other).
+# The GIL guards the table, as for the cache.
+DEF _NRESERVE = 16
+cdef _Cached _reserve[_NRESERVE]
+cdef int _nreserve = 0
+cdef size_t _reserve_bytes = 0
+
+
+def reserve_locked(Py_ssize_t nbytes):
+    """Map, lock and fault in ``nbytes`` (rounded up to pages) now, for page-locked
+    allocations to take later. Returns the bytes reserved in all.
+
+    Raises ``ValueError`` for a size <= 0 or past 16 reservations, ``MemoryError`` when the
+    mapping fails and ``OSError`` as ``mlock`` does (EPERM/ENOMEM/EAGAIN: RLIMIT_MEMLOCK).
+    """
+    global _nreserve, _reserve_bytes
+    cdef size_t page = PAGE_SIZE
+    cdef size_t mapped
+    cdef void* addr
+    cdef int rc = 0, e = 0
+    if nbytes <= 0:
+        raise ValueError(f"reserve_locked needs a positive size, got {nbytes}")
+    if _nreserve == _NRESERVE:
+        raise ValueError(f"at most {_NRESERVE} reservations at once; release_locked_reserve() "
+                         f"first")
+    mapped = ((<size_t>nbytes + page - 1) // page) * page
+    with nogil:
+        addr = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        if addr == MAP_FAILED:
+            e = errno
+        else:
+            rc = mlock(addr, mapped)
+            if rc != 0:
+                e = errno
+                munmap(addr, mapped)
+    if addr == MAP_FAILED:
+        raise MemoryError(f"mmap of {mapped} bytes failed: {os.strerror(e)}")
+    _check(rc, e, f"mlock of {mapped} bytes")
+    if _nreserve == _NRESERVE:          # another thread filled the table meanwhile
+        munlock(addr, mapped)
+        munmap(addr, mapped)
+        raise ValueError(f"at most {_NRESERVE} reservations at once")
+    _reserve[_nreserve].addr = addr
+    _reserve[_nreserve].mapped = mapped
+    _nreserve += 1
+    _reserve_bytes += mapped
+    return _reserve_bytes
+
+
+def locked_reserve_bytes():
+    """Bytes reserved by ``reserve_locked`` and not taken yet."""
+    return _reserve_bytes
+
+
+def release_locked_reserve():
+    """Unlock and unmap what is reserved and not taken; returns the bytes released."""
+    global _nreserve, _reserve_bytes
+    cdef size_t n = _reserve_bytes
+    while _nreserve:
+        _nreserve -= 1
+        with nogil:
+            munlock(_reserve[_nreserve].addr, _reserve[_nreserve].mapped)
+            munmap(_reserve[_nreserve].addr, _reserve[_nreserve].mapped)
+    _reserve_bytes = 0
+    return n
+
+
+cdef void* _reserve_take(size_t mapped) noexcept:
+    """``mapped`` bytes from the front of a reservation that has them, or NULL."""
+    global _nreserve, _reserve_bytes
+    cdef int i
+    cdef void* addr
+    for i in range(_nreserve):
+        if _reserve[i].mapped >= mapped:
+            addr = _reserve[i].addr
+            _reserve[i].addr = <void*>(<char*>addr + mapped)
+            _reserve[i].mapped -= mapped
+            _reserve_bytes -= mapped
+            if _reserve[i].mapped == 0:
+                _nreserve -= 1
+                _reserve[i] = _reserve[_nreserve]
+            return addr
+    return NULL
 
 
 cdef void* _map(size_t mapped) noexcept nogil:
@@ -329,8 +421,10 @@ cdef class LockedMemory:
         if nbytes <= 0:
             raise ValueError(f"LockedMemory needs a positive size, got {nbytes}")
         mapped = ((<size_t>nbytes + page - 1) // page) * page
-        if lock and mapped >= 2 * _HUGE:
-            addr = _cache_take(mapped)
+        if lock:
+            addr = _cache_take(mapped) if mapped >= 2 * _HUGE else NULL
+            if addr == NULL:
+                addr = _reserve_take(mapped)
             if addr != NULL:
                 self._addr = addr
                 self._nbytes = <size_t>nbytes

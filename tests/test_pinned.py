@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import gc
 import json
+import os
 import random
 import re
 import shutil
@@ -702,6 +703,68 @@ def test_torch_is_optional_for_the_core() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+# ---------------------------------------------------------------- reserving locked memory
+
+def test_reserve_feeds_later_allocations_and_release_gives_back_the_rest() -> None:
+    from aioswap import _aio
+    old_cache = _aio.set_locked_cache(0)        # frees go straight back: VmLck is exact
+    try:
+        collect()
+        base = vmlck()
+        assert pinned.reserve(10 * MiB + 1) == 10 * MiB + 4096   # whole pages
+        assert pinned.registry.reserved == 10 * MiB + 4096
+        assert vmlck() - base == 10 * MiB + 4096                 # locked at once
+        a = pinned.empty(3 * MiB, torch.uint8)
+        b = pinned.allocate(5000)
+        assert pinned.registry.reserved == 10 * MiB + 4096 - 3 * MiB - 8192
+        assert vmlck() - base == 10 * MiB + 4096                 # carved: nothing new locked
+        assert pinned.is_pinned(a) and pinned.is_pinned(b) and b.locked
+        a.fill_(7)
+        memoryview(b)[:] = b"x" * 5000
+        assert int(a.sum()) == 7 * 3 * MiB and bytes(memoryview(b)[:3]) == b"xxx"
+        c = pinned.empty(8 * MiB, torch.uint8)                  # more than is left: fresh
+        assert pinned.registry.reserved == 10 * MiB + 4096 - 3 * MiB - 8192
+        del a, b, c
+        collect()
+        assert vmlck() - base == 7 * MiB - 4096                 # the carved pieces are freed
+        assert pinned.release_reserve() == 7 * MiB - 4096
+        assert pinned.registry.reserved == 0 and vmlck() == base
+        assert pinned.release_reserve() == 0                    # idempotent
+    finally:
+        pinned.release_reserve()
+        _aio.set_locked_cache(old_cache)
+
+
+def test_reserve_refuses_bad_sizes() -> None:
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="positive size"):
+            pinned.reserve(bad)
+    with pytest.raises(TypeError):
+        pinned.reserve(1.5)  # type: ignore[arg-type]
+
+
+def test_reserve_is_not_inherited_by_a_forked_child() -> None:
+    pinned.reserve(4 * MiB)
+    try:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:            # the child: nothing reserved, allocations still work
+            try:
+                t = pinned.empty(MiB, torch.uint8)
+                t.fill_(1)
+                ok = pinned.registry.reserved == 0 and int(t.sum()) == MiB
+                os.write(w, b"1" if ok else b"0")
+            finally:
+                os._exit(0)
+        os.close(w)
+        assert os.read(r, 1) == b"1"
+        os.close(r)
+        os.waitpid(pid, 0)
+        assert pinned.registry.reserved == 4 * MiB              # the parent's is intact
+    finally:
+        pinned.release_reserve()
+
+
 # ---------------------------------------------------------------- the non-root path
 
 CHILD = textwrap.dedent("""
@@ -737,6 +800,12 @@ CHILD = textwrap.dedent("""
                        not pinned.is_pinned(a), not pinned.is_pinned(b), not pinned.is_pinned(c)]
     b.fill_(1.0); c[:] = 2; memoryview(a)[:3] = b'abc'
     out['stats'] = [pinned.stats().ranges, pinned.stats().unlocked_fallbacks]
+    before = vmlck()
+    try:
+        pinned.reserve(1 << 20)
+    except PinnedMemoryError as exc:
+        out['reserve_error'] = str(exc)
+    out['reserve_left'] = [pinned.registry.reserved, vmlck() - before]
     json.dump(out, sys.stdout)
 """)
 
@@ -779,6 +848,9 @@ def test_non_root_memlock_limit_strict_fails_and_try_mode_warns_once() -> None:
     assert "RLIMIT_MEMLOCK" in message and "unlocked memory" in message
     assert all(out["fallback"]), out["fallback"]
     assert out["stats"] == [1, 3]
+    assert out["reserve_error"].startswith("reserve: cannot lock 1 MiB")
+    assert "RLIMIT_MEMLOCK is 64 KiB" in out["reserve_error"]
+    assert out["reserve_left"] == [0, 0]
 
 
 # -------------------------------------------------------------------------- benchmark

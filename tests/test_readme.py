@@ -89,7 +89,7 @@ PUBLIC_MODULES = [
     "aioswap", "aioswap.errors", "aioswap.handle", "aioswap.pinned", "aioswap.config",
     "aioswap.swap", "aioswap.stream", "aioswap.gds", "aioswap.safetensors", "aioswap.dcp",
     "aioswap.compat.deepnvme", "aioswap.compat.deepspeed", "aioswap.integrations.accelerate",
-    "aioswap.cli",
+    "aioswap.integrations.diffusers", "aioswap.stripe", "aioswap.cli",
 ]
 
 
