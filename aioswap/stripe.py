@@ -49,6 +49,7 @@ import errno
 import json
 import os
 import threading
+import time
 import uuid
 import zlib
 from collections import deque
@@ -175,23 +176,28 @@ def _ranks(drives: Sequence[int]) -> list[int]:
 
 
 class _Piece:
-    """One stripe unit's share of a request: unit, offset inside it, bytes, buffer offset."""
+    """One stripe unit's share of a request: unit, offset inside it, bytes, buffer offset
+    (and, once sent, its offset in the part file)."""
 
-    __slots__ = ("k", "inner", "length", "at")
+    __slots__ = ("k", "inner", "length", "at", "off")
 
     def __init__(self, k: int, inner: int, length: int, at: int) -> None:
         self.k = k
         self.inner = inner
         self.length = length
         self.at = at
+        self.off = -1
 
 
 class _Op:
-    """One striped request in flight: its pieces on the drives, complete when all are."""
+    """One striped request in flight: complete when every piece is over (sent and reaped, or
+    dropped from the file's queue after an error)."""
 
-    def __init__(self, sf: StripedFile, write: bool, flat: Any, offset: int, n: int,
-                 fsync: bool, after: Callable[[], None] | None, fut: IOFuture | None) -> None:
-        self.sf = sf
+    __slots__ = ("write", "flat", "offset", "n", "fsync", "after", "fut", "lock",
+                 "outstanding", "errors", "failed", "new", "done", "error")
+
+    def __init__(self, write: bool, flat: Any, offset: int, n: int, fsync: bool,
+                 after: Callable[[], None] | None, fut: IOFuture | None, pieces: int) -> None:
         self.write = write
         self.flat = flat
         self.offset = offset
@@ -200,89 +206,18 @@ class _Op:
         self.after = after
         self.fut = fut
         self.lock = threading.Lock()
-        self.outstanding = 1                # a guard until every first piece is sent
+        self.outstanding = pieces + 1       # + a guard held until every piece is handed on
         self.errors: list[tuple[int, BaseException]] = []
-        self.dyn: deque[_Piece] = deque()
-        self.inflight = [0] * len(sf._files)
-        self.touched: set[int] = set()
+        self.failed = False                 # no more of its queued pieces go out
+        self.new: list[int] = []            # units it allocated: not in a saved layout yet
         self.done = threading.Event()
         self.error: BaseException | None = None
-        self.allocated = False
 
-    def start(self, fixed: list[tuple[_Piece, int, int]], dyn: list[_Piece]) -> None:
-        sf = self.sf
-        order: list[int] = []
-        if dyn:
-            self.dyn.extend(dyn)
-            order = sorted(range(len(sf._files)),
-                           key=lambda d: (sf._busy[d], (d - dyn[0].k) % len(sf._files)))
-        try:
-            for p, d, slot in fixed:
-                self._send(p, d, slot, False)
-            if dyn:
-                for _ in range(sf._window):
-                    for d in order:
-                        if not self._send_next(d):
-                            break
-        finally:
-            self._one_done()
-
-    def _send_next(self, d: int) -> bool:
-        with self.lock:
-            if not self.dyn:
-                return False
-            p = self.dyn.popleft()
-        dd, slot = self.sf._allocate(p.k, d)
-        self.allocated = True
-        self._send(p, dd, slot, True)
-        return True
-
-    def _send(self, p: _Piece, d: int, slot: int, dynamic: bool) -> None:
-        sf = self.sf
-        f = sf._files[d]
-        with self.lock:
-            self.outstanding += 1
-            self.touched.add(d)
-            if dynamic:
-                self.inflight[d] += 1
-        with sf._lock:
-            sf._busy[d] += 1
-        view = self.flat[p.at:p.at + p.length]
-        off = slot * sf._unit + p.inner
-        try:
-            fut = f.pwrite(view, off, async_op=True) if self.write else \
-                f.pread(view, off, async_op=True)
-            assert isinstance(fut, IOFuture)
-        except BaseException as exc:
-            self._piece_done(d, dynamic, p.at, exc)
-            if not isinstance(exc, Exception):
-                raise
-            return
-        fut.add_done_callback(lambda fu: self._piece_done(d, dynamic, p.at, fu.exception()))
-
-    def _piece_done(self, d: int, dynamic: bool, at: int, exc: BaseException | None) -> None:
-        sf = self.sf
-        with sf._lock:
-            sf._busy[d] -= 1
-        more = False
-        with self.lock:
-            if dynamic:
-                self.inflight[d] -= 1
-            if exc is not None:
-                self.errors.append((at, exc))
-                self.dyn.clear()            # the request fails: hand out no more units
-            elif dynamic and self.dyn:
-                more = True
-        if more:
-            self._send_next(d)
-        self._one_done()
-
-    def _one_done(self) -> None:
+    def release(self) -> bool:
+        """One piece (or the guard) is over; True for the last."""
         with self.lock:
             self.outstanding -= 1
-            last = self.outstanding == 0
-        if last:
-            self.sf._finish(self)
+            return self.outstanding == 0
 
 
 class StripedFile:
@@ -346,11 +281,22 @@ class StripedFile:
         self._lock = threading.Lock()           # layout, counters, open ops
         self._idle = threading.Condition(self._lock)
         self._save_lock = threading.Lock()
-        self._busy = [0] * len(names)
+        nparts = len(names)
+        # the dispatcher (see _pump): pieces, bytes and seconds per byte of each drive
+        self._busy = [0] * nparts
+        self._inbytes = [0] * nparts
+        self._spb = [0.0] * nparts              # 0: not measured yet
+        self._since = [0.0] * nparts            # last completion (or start of a busy spell)
+        self._queue: deque[tuple[_Op, _Piece]] = deque()     # new units waiting for a drive
+        self._pumping = threading.local()
+        self._pending: set[int] = set()         # allocated by a write still in flight
+        self._dirty = [False] * nparts          # written since the last fsync
+        self._extent = [0] * nparts             # each part is at least this long
         self._ops = 0
         self._unwaited = 0
         self._errors: list[BaseException] = []
         self._saved_gen = 0
+        self._saved_durable = True
         win = handle.queue_depth * handle.block_size // unit
         self._window = max(2, min(8, win))
         if doc is None:
@@ -388,6 +334,7 @@ class StripedFile:
                     raise ValueError(f"stripe unit {unit} is not a multiple of the direct-I/O "
                                      f"alignment of {f.name} ({f.off_align})")
             self.handles = tuple(hs)
+            self._extent = [os.fstat(f.fileno()).st_size for f in self._files]
             if doc is None:
                 self._closed = False
                 self._save(durable=True, force=True)
@@ -421,32 +368,53 @@ class StripedFile:
         return [names[i] for i in order], newest
 
     # -- layout ---------------------------------------------------------------------------
-    def _allocate(self, k: int, d: int) -> tuple[int, int]:
-        """The part and slot of unit ``k``, giving it to part ``d`` if it has none yet."""
-        with self._lock:
-            drive = self._drive
-            if k >= len(drive):
-                grow = k + 1 - len(drive)
-                drive.extend([_NONE] * grow)
-                self._slot.extend([-1] * grow)
-            if drive[k] == _NONE:
-                drive[k] = d
-                self._slot[k] = self._next[d]
-                self._next[d] += 1
-                self._last[d] = k
-                self._gen += 1
-            return drive[k], self._slot[k]
+    def _allocate(self, k: int, d: int) -> tuple[int, int, bool]:
+        """The part and slot of unit ``k``, giving it to part ``d`` if it has none yet (and
+        then True); the caller holds ``_lock``."""
+        drive = self._drive
+        if k >= len(drive):
+            grow = k + 1 - len(drive)
+            drive.extend([_NONE] * grow)
+            self._slot.extend([-1] * grow)
+        if drive[k] != _NONE:
+            return drive[k], self._slot[k], False
+        drive[k] = d
+        self._slot[k] = self._next[d]
+        self._next[d] += 1
+        self._last[d] = k
+        self._pending.add(k)
+        self._gen += 1
+        return d, self._slot[k], True
 
     def _save(self, durable: bool, force: bool = False) -> None:
-        """Write the layout beside every part (when it changed, or ``force``)."""
+        """Write the layout beside every part when it changed (or ``force``).
+
+        Only units whose writes have finished are in it (a unit still being written reads as
+        a hole, as before that write). ``durable``: first the parts written since their last
+        fsync are fsynced, so a durable layout never points at data that is not; then each
+        sidecar is written, fsynced and renamed into place, and its directory fsynced.
+        """
         with self._save_lock:
             with self._lock:
                 gen = self._gen
-                if gen == self._saved_gen and not force:
-                    return
                 drive = list(self._drive)
                 slot = list(self._slot)
+                for k in self._pending:
+                    drive[k], slot[k] = _NONE, -1
                 size = self._size
+                dirty = [i for i, x in enumerate(self._dirty) if x] if durable else []
+                for i in dirty:
+                    self._dirty[i] = False
+            try:
+                for i in dirty:
+                    self._files[i].fsync()
+            except BaseException:
+                with self._lock:
+                    for i in dirty:
+                        self._dirty[i] = True
+                raise
+            if gen == self._saved_gen and (self._saved_durable or not durable) and not force:
+                return
             implied = slot == _ranks(drive)
             body = {"format": LAYOUT_FORMAT, "version": LAYOUT_VERSION, "id": self.id,
                     "parts": len(self.paths), "stripe_unit": self._unit,
@@ -470,20 +438,30 @@ class StripedFile:
                 if durable:
                     fsync_dir(os.path.dirname(side) or ".")
             self._saved_gen = gen
+            self._saved_durable = durable
 
     def _cover(self) -> None:
-        """Extend each part so every unit's bytes below the logical size can be read."""
+        """Extend each part so every finished unit's bytes below the logical size can be
+        read; no system call while the parts are known to be long enough."""
         with self._lock:
             size, unit = self._size, self._unit
-            needs = [(i, self._next[i] - 1, self._last[i]) for i in range(len(self._files))]
-        for i, slot, k in needs:
-            if k < 0 or k * unit >= size:
-                continue
-            need = slot * unit + min(unit, size - k * unit)
-            f = self._files[i]
-            fd = f.fileno()
-            if os.fstat(fd).st_size < need:
+            needs = []
+            for i, k in enumerate(self._last):
+                if k < 0:
+                    continue
+                start = self._slot[k] * unit
+                # a unit still being written extends its part itself; cover the ones below
+                need = start if k in self._pending else \
+                    start + min(unit, max(0, size - k * unit))
+                if need > self._extent[i]:
+                    needs.append((i, need))
+        for i, need in needs:
+            fd = self._files[i].fileno()
+            have = os.fstat(fd).st_size
+            if have < need:
                 os.posix_fallocate(fd, need - 1, 1)     # extends, never shrinks
+            with self._lock:
+                self._extent[i] = max(self._extent[i], have, need)
 
     # -- requests -------------------------------------------------------------------------
     def _check(self, what: str) -> None:
@@ -569,7 +547,7 @@ class StripedFile:
                                  path=self.name, offset=offset, nbytes=n,
                                  file_size=self._size)
         fut = IOFuture(op, self.name, n, offset) if async_op else None
-        fixed: list[tuple[_Piece, int, int]] = []
+        fixed: list[tuple[_Piece, int]] = []
         dyn: list[_Piece] = []
         unit = self._unit
         pos, at, end = offset, 0, offset + n
@@ -581,30 +559,145 @@ class StripedFile:
                 p = _Piece(k, inner, length, at)
                 d = drive[k] if k < len(drive) else _NONE
                 if d != _NONE:
-                    fixed.append((p, d, slots[k]))
+                    p.off = slots[k] * unit + inner
+                    fixed.append((p, d))
                 elif write:
                     dyn.append(p)
                 else:
                     flat[at:at + length] = 0        # a hole reads as zeros
                 pos += length
                 at += length
+            o = _Op(write, flat, offset, n, fsync, after, fut, len(fixed) + len(dyn))
             self._ops += 1
-        o = _Op(self, write, flat, offset, n, fsync, after, fut)
+            now = time.monotonic()
+            for p, d in fixed:
+                self._take(d, p.length, write, now)
+            self._queue.extend((o, p) for p in dyn)
         try:
-            o.start(fixed, dyn)
+            sent = 0
+            try:
+                for p, d in fixed:
+                    sent += 1                       # _send accounts for it, even raising
+                    self._send(o, p, d)
+            except BaseException as exc:
+                with o.lock:
+                    o.failed = True
+                for p, d in fixed[sent:]:
+                    self._piece_done(o, d, p, exc)
+                raise
+            finally:
+                self._pump()
+                self._release(o)
         except BaseException:
-            o.done.wait()
+            o.done.wait()           # the kernel may still write the buffer: drain first
             raise
         if fut is not None:
             return fut
         try:
             o.done.wait()
         except BaseException:
-            o.done.wait()           # the kernel may still write the buffer: drain first
+            o.done.wait()
             raise
         if o.error is not None:
             raise o.error
         return n
+
+    # -- the dispatcher -------------------------------------------------------------------
+    # Pieces of units already placed go to their drive at once. Pieces of new units wait in
+    # the file's queue (in request order) and each goes to the drive expected to be free
+    # first: least (bytes in flight x measured seconds per byte), then fewest pieces, then
+    # unit k to part k mod N (round-robin appends). A drive holds at most `_window` pieces;
+    # when the best one is full the unit waits for it, so a slow drive is given work in
+    # proportion to its speed even when many one-unit requests arrive at once.
+    def _take(self, d: int, length: int, write: bool, now: float) -> None:
+        """Count a piece in flight on drive ``d`` (the caller holds ``_lock``)."""
+        if self._busy[d] == 0:
+            self._since[d] = now
+        self._busy[d] += 1
+        self._inbytes[d] += length
+        if write:
+            self._dirty[d] = True
+
+    def _choose(self, k: int) -> int:
+        """The drive for new unit ``k``, or -1 to wait (the caller holds ``_lock``)."""
+        n = len(self._busy)
+        known = [s for s in self._spb if s > 0.0]
+        guess = min(known) if known else 0.0        # an unmeasured drive: as the fastest
+        best = min(range(n), key=lambda d: (self._inbytes[d] * (self._spb[d] or guess),
+                                            self._busy[d], (d - k) % n))
+        return best if self._busy[best] < self._window else -1
+
+    def _pump(self) -> None:
+        """Hand queued new units to drives while the best drive has room (any thread)."""
+        tls = self._pumping
+        if getattr(tls, "on", False):
+            return                  # a send failed at once inside this thread's own loop
+        tls.on = True
+        try:
+            while True:
+                drop: list[_Op] = []
+                item: tuple[_Op, _Piece, int] | None = None
+                with self._lock:
+                    q = self._queue
+                    while q and q[0][0].failed:
+                        drop.append(q.popleft()[0])
+                    if q:
+                        o, p = q[0]
+                        d = self._choose(p.k)
+                        if d >= 0:
+                            q.popleft()
+                            d, slot, new = self._allocate(p.k, d)
+                            p.off = slot * self._unit + p.inner
+                            self._take(d, p.length, True, time.monotonic())
+                            if new:
+                                o.new.append(p.k)
+                            item = (o, p, d)
+                for o in drop:
+                    self._release(o)
+                if item is not None:
+                    self._send(*item)
+                elif not drop:
+                    return
+        finally:
+            tls.on = False
+
+    def _send(self, o: _Op, p: _Piece, d: int) -> None:
+        view = o.flat[p.at:p.at + p.length]
+        f = self._files[d]
+        try:
+            fut = f.pwrite(view, p.off, async_op=True) if o.write else \
+                f.pread(view, p.off, async_op=True)
+            assert isinstance(fut, IOFuture)
+        except BaseException as exc:
+            self._piece_done(o, d, p, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        fut.add_done_callback(lambda fu: self._piece_done(o, d, p, fu.exception()))
+
+    def _piece_done(self, o: _Op, d: int, p: _Piece, exc: BaseException | None) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._busy[d] -= 1
+            self._inbytes[d] -= p.length
+            if exc is None:
+                # the drive was busy since _since[d]: this piece took that long of its time
+                sample = (now - self._since[d]) / max(p.length, _ALIGN)
+                spb = self._spb[d]
+                self._spb[d] = sample if spb == 0.0 else spb + (sample - spb) / 4
+                if o.write:
+                    self._extent[d] = max(self._extent[d], p.off + p.length)
+            self._since[d] = now
+        if exc is not None:
+            with o.lock:
+                o.errors.append((p.at, exc))
+                o.failed = True             # the request fails: hand out no more units
+        self._pump()
+        self._release(o)
+
+    def _release(self, o: _Op) -> None:
+        if o.release():
+            self._finish(o)
 
     def _finish(self, o: _Op) -> None:
         """Every piece of ``o`` is over: layout, copy-back, result (any thread)."""
@@ -614,18 +707,17 @@ class StripedFile:
         try:
             if o.write:
                 with self._lock:
+                    changed = bool(o.new)
+                    self._pending.difference_update(o.new)
                     if error is None and o.offset + o.n > self._size:
                         self._size = o.offset + o.n
+                        changed = True
+                    if changed:
                         self._gen += 1
-                        grew = True
-                    else:
-                        grew = False
-                if grew or o.allocated:
+                if changed:
                     self._cover()
                 if o.fsync and error is None:
-                    for d in sorted(o.touched):
-                        self._files[d].fsync()
-                self._save(durable=o.fsync and error is None)
+                    self._save(durable=True)
             elif o.after is not None and error is None:
                 o.after()
         except Exception as exc:
@@ -664,9 +756,7 @@ class StripedFile:
     def fsync(self) -> None:
         """Make the data written so far and the layout durable."""
         self._check("fsync")
-        for f in self._files:
-            f.fsync()
-        self._save(durable=True, force=True)
+        self._save(durable=True)
 
     @property
     def closed(self) -> bool:

@@ -182,11 +182,12 @@ def test_a_bad_part_fails_only_its_requests(tmp_path: Path) -> None:
     parts = _parts(tmp_path, 3)
     data = _rand(12 * UNIT)
     with aioswap.AioHandle() as h, h.open(parts, "w+", stripe=UNIT) as f:
-        f.pwrite(data, 0)
+        f.pwrite(data, 0, fsync=True)                   # the layout is saved now
         os.truncate(parts[1], 0)                        # the drive lost its data
         with pytest.raises(ShortReadError, match=str(parts[1])):
             f.pread(np.zeros(data.size, np.uint8), 0)
         drives = read_layout(parts[0])["drives"]
+        assert drives.count(1) > 0 and len(drives) == 12
         for k, d in enumerate(drives):
             out = np.zeros(UNIT, np.uint8)
             if d == 1:
@@ -267,6 +268,7 @@ def test_a_failing_drive_fails_only_its_requests(tmp_path: Path) -> None:
         data = _rand(24 * UNIT)
         with aioswap.AioHandle() as h, h.open(parts, "w+", stripe=UNIT) as f:
             f.pwrite(data, 0)
+            f.fsync()                                   # the layout is saved now
             drives = read_layout(parts[0])["drives"]
             on_bad = [k for k, d in enumerate(drives) if d == 2]
             fine = [k for k, d in enumerate(drives) if d != 2]
