@@ -15,12 +15,14 @@ The logical file is cut into stripe units of ``stripe_unit`` bytes. Unit ``k`` l
 order its units are allocated. A unit is allocated by the first write that touches it:
 
 * units already allocated are rewritten where they are;
-* new units of a write are handed to the drives **as they free up**: each drive first gets
-  up to ``window`` units (``queue_depth * block_size / stripe_unit``, between 2 and 8) and
-  then one more each time one of its own units of that write completes. A drive at half the
-  speed of the others thus takes about half as many units, and since the assignment is
-  recorded, reads of that extent are spread the same way. A single new unit goes to the
-  least busy drive (ties: unit ``k`` to part ``k mod N``, i.e. round-robin for appends);
+* new units wait in the file's queue (request order) and each goes to the drive expected to
+  be free first (bytes in flight x its measured seconds per byte; ties: unit ``k`` to part
+  ``k mod N``, i.e. round-robin appends), each drive holding at most ``window`` pieces
+  (``queue_depth * block_size / stripe_unit``, between 2 and 8). So a drive at half the speed
+  of the others takes about half as many units, whether they come in one large write or in
+  many concurrent small ones; since the assignment is recorded, reads follow it. Parts are
+  extended ahead of their writes (ext4 runs an extending O_DIRECT write synchronously) and
+  trimmed on close;
 * units inside the file that no write touched (holes) are unallocated and read as zeros.
 
 Beside every part ``P`` lies ``P.stripe.json`` (mode 0600, plain JSON, no pickle)::
@@ -33,11 +35,14 @@ Beside every part ``P`` lies ``P.stripe.json`` (mode 0600, plain JSON, no pickle
 ``slots`` is null when every unit's slot is its rank among the earlier units of its part
 (what one sequential writer produces). Every part carries the whole layout; the copy with
 the highest ``generation`` wins, so the parts may be given in any order on reopening (``part``
-says which is which) and a crash between the sidecar updates loses nothing. A write's data
-is written before the layout that points at it; with ``fsync=True`` (or :meth:`fsync`) the
-parts are fsynced, then the sidecars are replaced atomically (written, fsynced, renamed, the
-directory fsynced). The logical size ``L`` is in the layout; a part whose last unit is only
-partly written is extended (``fallocate``, never shrunk) so every byte below ``L`` reads.
+says which is which) and a crash between the sidecar updates loses nothing. The layout is
+kept in memory and saved only by ``fsync=True`` writes, :meth:`fsync` and :meth:`close` (a
+plain write costs no sidecar I/O); a saved layout holds only units whose writes finished.
+A durable save fsyncs the parts written since their last fsync first, then replaces the
+sidecars atomically (written, fsynced, renamed, the directory fsynced), so a durable layout
+never points at data that is not; after a crash the file is the last saved state. The
+logical size ``L`` is in the layout; a part whose last unit is only partly written is
+extended (``fallocate``) so every byte below ``L`` reads.
 
 Errors: a failing drive fails only the requests with a piece on it; the error is the one the
 drive's handle raised, naming the part file (so the drive) with its offset and size.
@@ -79,6 +84,7 @@ _NONE = 255                 # drive[k] of an unallocated unit
 _MAX_PARTS = 254
 _MIN_DEFAULT = 1 << 20      # default stripe unit: the block size, at least 1 MiB
 _ALIGN = 4096
+_AHEAD = 32 << 20           # parts are extended at least this far ahead of their writes
 _MODES = ("r", "r+", "w", "w+", "x", "a+")
 
 
@@ -292,6 +298,7 @@ class StripedFile:
         self._pending: set[int] = set()         # allocated by a write still in flight
         self._dirty = [False] * nparts          # written since the last fsync
         self._extent = [0] * nparts             # each part is at least this long
+        self._reserved = [0] * nparts           # ... and is being extended to this
         self._ops = 0
         self._unwaited = 0
         self._errors: list[BaseException] = []
@@ -335,6 +342,7 @@ class StripedFile:
                                      f"alignment of {f.name} ({f.off_align})")
             self.handles = tuple(hs)
             self._extent = [os.fstat(f.fileno()).st_size for f in self._files]
+            self._reserved = list(self._extent)
             if doc is None:
                 self._closed = False
                 self._save(durable=True, force=True)
@@ -637,6 +645,7 @@ class StripedFile:
             while True:
                 drop: list[_Op] = []
                 item: tuple[_Op, _Piece, int] | None = None
+                grow: tuple[int, int] | None = None
                 with self._lock:
                     q = self._queue
                     while q and q[0][0].failed:
@@ -652,14 +661,55 @@ class StripedFile:
                             if new:
                                 o.new.append(p.k)
                             item = (o, p, d)
+                            grow = self._grow(d, slot)
                 for o in drop:
                     self._release(o)
                 if item is not None:
+                    if grow:
+                        self._extend(item[2], grow)
                     self._send(*item)
                 elif not drop:
                     return
         finally:
             tls.on = False
+
+    def _grow(self, d: int, slot: int) -> tuple[int, int] | None:
+        """The range to add to part ``d`` before slot ``slot`` is written, if any (the caller
+        holds ``_lock``). ext4 runs an O_DIRECT write that extends its file synchronously
+        inside io_submit, so appending parts would take one write per drive at a time;
+        allocated ahead (and trimmed on close), the writes stay asynchronous."""
+        end = (slot + 1) * self._unit
+        have = self._reserved[d]
+        if end <= have:
+            return None
+        ahead = max(self._unit * self._window * 4, _AHEAD)
+        self._reserved[d] = end + ahead - self._unit
+        return have, self._reserved[d] - have
+
+    def _extend(self, d: int, grow: tuple[int, int]) -> None:
+        try:
+            os.posix_fallocate(self._files[d].fileno(), grow[0], grow[1])
+        except OSError:
+            return                  # only a speed-up: the writes extend the part themselves
+        with self._lock:
+            self._extent[d] = max(self._extent[d], grow[0] + grow[1])
+
+    def _trim(self) -> None:
+        """Cut what was allocated ahead past each part's last unit (on close)."""
+        with self._lock:
+            size, unit = self._size, self._unit
+            cuts = []
+            for i, k in enumerate(self._last):
+                need = 0 if k < 0 else self._slot[k] * unit + min(unit, max(0, size - k * unit))
+                if self._reserved[i] > need:
+                    cuts.append((i, need))
+        for i, need in cuts:
+            fd = self._files[i].fileno()
+            try:
+                if os.fstat(fd).st_size > need:
+                    os.ftruncate(fd, need)
+            except OSError:
+                pass                # a failing drive: its part keeps the slack
 
     def _send(self, o: _Op, p: _Piece, d: int) -> None:
         view = o.flat[p.at:p.at + p.length]
@@ -771,6 +821,7 @@ class StripedFile:
                 self._idle.wait()
         try:
             if self.writable:
+                self._trim()
                 self._save(durable=False)
         finally:
             self._close_parts()

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 import aioswap
-from aioswap.cli import GB, UNITS_NOTE, parse_size
+from _common import GB, UNITS_NOTE, size_arg
 
 CGROUP = "/sys/fs/cgroup/blkio"
 QD = 32
@@ -214,10 +214,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="where the drive images go (default: a new "
                    "directory under $TMPDIR)")
     p.add_argument("--drives", default="2,4", help="numbers of drives (default: 2,4)")
-    p.add_argument("--size", default="64M", help="bytes per 1 MiB transfer (default: 64M)")
-    p.add_argument("--small", default="8M", help="bytes per 4 KiB random transfer "
-                   "(default: 8M)")
-    p.add_argument("--cap", default="100M", help="bytes/s per drive (default: 100M)")
+    p.add_argument("--size", type=size_arg(1 << 20), default="64M",
+                   help="bytes per 1 MiB transfer (default: 64M)")
+    p.add_argument("--small", type=size_arg(4096), default="8M",
+                   help="bytes per 4 KiB random transfer (default: 8M)")
+    p.add_argument("--cap", type=size_arg(4096), default="100M",
+                   help="bytes/s per drive (default: 100M)")
     p.add_argument("--iops", type=int, default=2000, help="4 KiB IOPS per drive "
                    "(default: 2000)")
     p.add_argument("--no-btrfs", action="store_true", help="leave btrfs raid0 out")
@@ -227,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reason is not None:
         print(f"bench_stripe: skipped: {reason}", file=sys.stderr)
         return 0
-    size, small, cap = parse_size(args.size), parse_size(args.small), parse_size(args.cap)
+    size, small, cap = args.size, args.small, args.cap
     btrfs = not args.no_btrfs and shutil.which("mkfs.btrfs") is not None
     counts = [int(x) for x in args.drives.split(",")]
     cases: list[dict[str, Any]] = []

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-TESTED_HERE = {"bench_formats.py", "bench_handle.py", "gpu_check.py", "bench_hf_offload.py"}
+TESTED_HERE = {"bench_formats.py", "bench_handle.py", "gpu_check.py", "bench_hf_offload.py",
+               "bench_stripe.py"}
 TESTED_ELSEWHERE = {"bench_engine.py", "bench_pinned.py", "bench_swap.py", "bench_dcp.py",
                     "bench_safetensors.py", "bench_small_io.py", "bench_stream.py"}
 MINE = {"_common.py", "bench_engine.py", "bench_formats.py", "bench_pinned.py"}
@@ -144,6 +145,66 @@ def test_bench_hf_offload(tmp_dir: Path) -> None:
         "cold_forward_s", "cold_generate_s", "warm_forward_s"}
     assert report["loader_construction_s"]["keys"] == 2000
     assert list(tmp_dir.iterdir()) == []
+
+
+def _stripe_why_not() -> str | None:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_stripe
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    reason: str | None = bench_stripe.why_not()
+    return reason
+
+
+def _stripe_leftovers(base: Path, cgroup: str) -> list[str]:
+    """Loops over images in ``base``, mounts under it, the cgroup: what a run left behind."""
+    left = []
+    loops = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+    left += [line.split(":")[0] for line in loops.splitlines() if str(base) in line]
+    with open("/proc/mounts") as f:
+        left += [ln.split()[1] for ln in f if ln.split()[1].startswith(str(base))]
+    if os.path.isdir(cgroup):
+        left.append(cgroup)
+    return left
+
+
+def test_bench_stripe(tmp_dir: Path) -> None:
+    """Root only: throttled loop drives, fio, btrfs raid0 and aioswap at tiny sizes; the
+    rig (loops, mounts, cgroup, images) is gone afterwards, and torn down here if not."""
+    reason = _stripe_why_not()
+    if reason is not None:
+        pytest.skip(f"bench_stripe.py: {reason}")
+    base = tmp_dir / "rig"
+    base.mkdir()
+    proc = subprocess.Popen([sys.executable, str(BENCHMARKS / "bench_stripe.py"), "--dir",
+                             str(base), "--drives", "2", "--size", "4M", "--small", "256K",
+                             "--cap", "200M", "--iops", "4000", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_dir)
+    cgroup = f"/sys/fs/cgroup/blkio/aioswap-bench-{proc.pid}"
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+        left = _stripe_leftovers(base, cgroup)
+    finally:
+        proc.kill()
+        proc.wait()
+        for what in _stripe_leftovers(base, cgroup):        # never leave a rig behind
+            if what.startswith("/dev/loop"):
+                subprocess.run(["losetup", "-d", what], capture_output=True)
+            elif what == cgroup:
+                os.rmdir(cgroup)
+            else:
+                subprocess.run(["umount", "-l", what], capture_output=True)
+    assert proc.returncode == 0, err
+    assert left == [], left
+    report = json.loads(out)
+    ops = {(c["drives"], c["request"], c["op"]) for c in report["cases"]}
+    assert {(2, 1 << 20, "write"), (2, 4096, "read"), (4, 1 << 20, "read, one at half")} <= ops
+    for c in report["cases"]:
+        assert c["aioswap"] > 0 and math.isfinite(c.get("vs_fio_sum", c.get("vs_caps_sum")))
+    assert "GB/s = 10^9 bytes/s" in report["units"]
+    assert not [p for p in base.iterdir() if p.suffix == ".img"]
 
 
 # -- benchmarks/_common.py -------------------------------------------------------------------------

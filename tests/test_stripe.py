@@ -7,9 +7,11 @@ import json
 import os
 import random
 import shutil
+import signal
 import stat
 import struct
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -176,6 +178,120 @@ def test_dynamic_units_follow_the_free_drive(tmp_path: Path) -> None:
             out = np.zeros(data.size, np.uint8)
             f.pread(out, 0)
             assert (out == data).all()
+
+
+def _slow_drive(f: StripedFile, part: int, delay: float) -> None:
+    """Part ``part``'s writes finish ``delay`` seconds late (a drive at a fraction of the
+    speed of the others)."""
+    orig = f._files[part].pwrite
+
+    def late(view, off, async_op=False):                 # type: ignore[no-untyped-def]
+        real = orig(view, off, async_op=True)
+        out = aioswap.IOFuture("write", "slow", len(view), off)
+        threading.Timer(delay, lambda: out.set_result(real.result())).start()
+        return out
+    f._files[part].pwrite = late                         # type: ignore[method-assign]
+
+
+def test_many_one_unit_requests_favour_the_fast_drives(tmp_path: Path) -> None:
+    """Many concurrent one-unit writes: the file's queue hands each new unit to the drive
+    free first, so a slow drive takes few units instead of its round-robin share."""
+    parts = _parts(tmp_path, 3)
+    data = _rand(96 * UNIT)
+    with aioswap.AioHandle() as h:
+        with h.open(parts, "w+", stripe=UNIT) as f:
+            _slow_drive(f, 0, 0.05)
+            futs = [f.pwrite(data[k * UNIT:(k + 1) * UNIT], k * UNIT, async_op=True)
+                    for k in rng_order(96)]
+            assert f.wait() == 96
+            assert all(fu.result() == UNIT for fu in futs)
+        drives = read_layout(parts[0])["drives"]
+        assert len(drives) == 96 and _NONE_UNIT not in drives
+        assert drives.count(0) < 96 // 3 // 2, drives          # under half its even share
+        with h.open([parts[2], parts[0], parts[1]], "r") as f:
+            out = np.zeros(data.size, np.uint8)
+            f.pread(out, 0)
+            assert (out == data).all()
+
+
+_NONE_UNIT = 255
+
+
+def rng_order(n: int) -> list[int]:
+    order = list(range(n))
+    random.Random(n).shuffle(order)
+    return order
+
+
+def test_layout_saved_lazily(tmp_path: Path) -> None:
+    """Plain writes leave the sidecars alone; fsync=True, fsync() and close() save them,
+    with only finished units and the data before the layout that points at it."""
+    parts = _parts(tmp_path, 3)
+    data = _rand(10 * UNIT + 5)
+    with aioswap.AioHandle() as h:
+        with h.open(parts, "w+", stripe=UNIT) as f:
+            before = [Path(p + LAYOUT_SUFFIX).read_bytes() for p in parts]
+            for k in range(10):
+                f.pwrite(data[k * UNIT:(k + 1) * UNIT], k * UNIT)
+            assert [Path(p + LAYOUT_SUFFIX).read_bytes() for p in parts] == before
+            out = np.zeros(10 * UNIT, np.uint8)
+            f.pread(out, 0)                                 # the live layout serves reads
+            assert (out == data[:10 * UNIT]).all()
+            f.pwrite(data[10 * UNIT:], 10 * UNIT, fsync=True)
+            lays = [read_layout(p) for p in parts]
+            assert {lay["generation"] for lay in lays} == {lays[0]["generation"]}
+            assert lays[0]["size"] == data.size and len(lays[0]["drives"]) == 11
+            gen = lays[0]["generation"]
+            f.fsync()                                       # nothing new: no rewrite
+            assert read_layout(parts[1])["generation"] == gen
+            f.pwrite(data[:UNIT], 20 * UNIT)                # plain again: saved at close
+            assert read_layout(parts[2])["size"] == data.size
+        assert read_layout(parts[2])["size"] == 21 * UNIT
+        with h.open(parts[::-1], "r") as f:
+            out = np.zeros(21 * UNIT, np.uint8)
+            f.pread(out, 0)
+            assert (out[:data.size] == data).all() and (out[20 * UNIT:] == data[:UNIT]).all()
+            assert not out[data.size:20 * UNIT].any()
+
+
+_WRITER = """
+import sys, numpy as np, aioswap
+parts, unit, chunk = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
+rng = np.random.default_rng(7)
+with aioswap.AioHandle() as h, h.open(parts, "w+", stripe=unit) as f:
+    i = 0
+    while True:
+        block = rng.integers(0, 256, chunk, dtype=np.uint8)
+        durable = i % 3 == 2
+        f.pwrite(block, i * chunk, fsync=durable)
+        if durable:
+            print((i + 1) * chunk, flush=True)
+        i += 1
+"""
+
+
+def test_sigkill_during_writes_leaves_a_saved_state_whole(tmp_path: Path) -> None:
+    """SIGKILL while a process writes: the reopened file is one saved state (at least the
+    last one it reported durable), byte-exact."""
+    parts = _parts(tmp_path, 3)
+    chunk = 3 * UNIT + 100
+    with subprocess.Popen([sys.executable, "-c", _WRITER, ",".join(parts), str(UNIT),
+                           str(chunk)], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            durable = [int(proc.stdout.readline()) for _ in range(5)]
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.kill()
+    rng = np.random.default_rng(7)
+    with aioswap.AioHandle() as h, h.open(parts[::-1], "r") as f:
+        size = f.size()
+        assert size >= durable[-1] and size % (3 * chunk) == 0
+        want = np.concatenate([rng.integers(0, 256, chunk, dtype=np.uint8)
+                               for _ in range(size // chunk)])
+        out = np.zeros(size, np.uint8)
+        f.pread(out, 0)
+        assert (out == want).all()
 
 
 def test_a_bad_part_fails_only_its_requests(tmp_path: Path) -> None:
