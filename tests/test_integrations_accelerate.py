@@ -233,17 +233,20 @@ def test_swapped_dat_refused(model_dir: tuple[Path, dict[str, Any]], tmp_path: P
 
 # -- the loader itself ---------------------------------------------------------------------
 
+@pytest.mark.parametrize("read_ahead", [None, 1 << 30], ids=["ahead1", "aheadall"])
 @pytest.mark.parametrize("batch_bytes", [1, 16 << 20])
 def test_loader_matches_stock(model_dir: tuple[Path, dict[str, Any]], tmp_path: Path,
-                              batch_bytes: int) -> None:
-    """Every key, in any order, twice; tensors handed out are never overwritten."""
+                              batch_bytes: int, read_ahead: int | None) -> None:
+    """Every key, in any order, twice; tensors handed out are never overwritten (also with
+    every batch read ahead at once, their buffers reused as tensors are dropped)."""
     from accelerate.utils import OffloadedWeightsLoader, offload_state_dict
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir[0])
     sd = {k: v for k, v in model.state_dict().items()}
     sd["scalar"] = torch.tensor(3.5, dtype=sd["lm_head.weight"].dtype)
     offload_state_dict(tmp_path / "sd", sd)
     stock = OffloadedWeightsLoader(save_folder=tmp_path / "sd")
-    with ia.AioswapWeightsLoader(save_folder=tmp_path / "sd", batch_bytes=batch_bytes) as ours:
+    with ia.AioswapWeightsLoader(save_folder=tmp_path / "sd", batch_bytes=batch_bytes,
+                                 read_ahead=read_ahead) as ours:
         assert list(ours) == list(stock) and len(ours) == len(stock)
         assert "scalar" in ours and "nope" not in ours
         with pytest.raises(KeyError):

@@ -21,10 +21,15 @@ every forward and lets page faults bring the bytes in, one weight at a time. Her
   group reads the whole group, plus the groups that follow it up to ``batch_bytes``, in one
   batched submission into one page-locked buffer (neighbouring tensors of a file in one
   request).
-* The order in which groups are used is recorded as they are used; when the first tensor of
-  a batch is handed out, the next batch (the groups that came next last time; on the first
-  forward, layer ``N + 1`` after layer ``N``) is submitted, so it is read while this one
-  computes.
+* The order in which groups are used is recorded as they are used; when a batch is first
+  asked for, before it is waited for, the batches that follow it (the groups that came next
+  last time; on the first forward, layer ``N + 1`` after layer ``N``) are submitted, up to
+  ``read_ahead`` bytes (one batch by default): the drive never waits for a buffer to be
+  set up, and the next layer is read while this one computes.
+* Every batch buffer has one size (the largest group's, or ``batch_bytes``), so the buffer
+  freed with the last tensor of a batch is the one a later batch gets back from the
+  locked-memory cache: fresh memory is faulted in for the first few batches only, and what
+  stays resident is a few buffers, not one of each size ever read.
 * What of a request's range is in the page cache is copied from it (``preadv`` with
   ``RWF_NOWAIT``, which never waits for the drive and starts no read-ahead); only the rest
   is read with ``O_DIRECT``, which fills no cache. A warm forward runs at memory speed; a
@@ -59,7 +64,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -92,7 +97,7 @@ _NAME = "OffloadedWeightsLoader"
 _EXPECTED = ("accelerate.utils.offload", "accelerate.utils", "accelerate.big_modeling")
 _MERGE_GAP = 64 << 10         # neighbouring tensors of a file this close share one request
 _BATCH_BYTES = 16 << 20       # default: a batch grows by following groups up to this
-_LIVE_BATCHES = 3             # batches kept readable (being used, prefetched, one more)
+_KEPT_BATCHES = 2             # batches begun and not handed out kept beside the read-ahead
 
 
 class OffloadFileError(AioswapError, ValueError):
@@ -153,6 +158,16 @@ def _dat_dtype(name: str) -> torch.dtype:
             raise ValueError(f"this torch has no dtype {name!r}")
         return value
     return torch.from_numpy(np.empty(0, dtype=np.dtype(name))).dtype
+
+
+_ARENA_ROUND = 1 << 20        # batch buffers are whole MiB
+_EAGER_HEADER = 64 << 20      # safetensors files this large have their headers read at once
+
+
+def _bound(entries: Iterable[_Entry]) -> int:
+    """Most bytes the extents of ``entries`` take in a batch buffer (each may start a
+    block early, end on a block boundary and pull in a gap to its neighbour)."""
+    return sum(round_up(e.nbytes, _ALIGN) + _ALIGN + _MERGE_GAP for e in entries)
 
 
 _EMBEDDING_NAMES = ("wte", "wpe", "shared")
@@ -217,6 +232,9 @@ class _Resources:
         fd = self.plain.get(path)
         if fd is None:
             fd = self.plain[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            # a probe that lands on a page the kernel marked for read-ahead (a header read
+            # leaves such marks) would start that read-ahead: not on this descriptor
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         return fd
 
     def cached(self, path: str, mem: memoryview, offset: int) -> int:
@@ -278,6 +296,9 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         A batch grows by the groups that follow its first one up to this many bytes.
     max_open_files : int
         Most files kept open at once (least recently used ones are closed).
+    read_ahead : int, optional
+        Bytes of batches read ahead of the one in use (whole batch buffers, at least one);
+        default one batch.
     sparse : callable, optional
         ``sparse(key)`` is true for weights the model uses sparsely (an embedding looks up
         the rows of its tokens): they are handed out as private file mappings, as the stock
@@ -292,8 +313,8 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
     Notes
     -----
     Lifetime: tensors handed out are views of page-locked memory with storages of their own,
-    freed with the last view. The loader holds at most ``3 * batch_bytes`` (or three
-    groups, when a group is larger) of batches not yet handed out. :meth:`close` frees the
+    freed with the last view. The loader holds the read-ahead plus at most two batches begun
+    and not handed out, each one batch buffer. :meth:`close` frees the
     handle and files; the loader reopens them when used again. Thread-safe (one lock).
     """
 
@@ -302,7 +323,8 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
                  index: Optional[Mapping[str, Any]] = None,
                  device: Any = None, *, batch_bytes: int = _BATCH_BYTES,
                  max_open_files: int = 512,
-                 sparse: Optional[Callable[[str], bool]] = None) -> None:
+                 sparse: Optional[Callable[[str], bool]] = None,
+                 read_ahead: Optional[int] = None) -> None:
         if state_dict is None and save_folder is None and index is None:
             raise ValueError("Need either a `state_dict`, a `save_folder` or an `index` "
                              "containing offloaded weights.")
@@ -318,6 +340,7 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         self.all_keys: list[str] = list(keys)
         self.device = device
         self.batch_bytes = int(batch_bytes)
+        self.read_ahead = None if read_ahead is None else max(0, int(read_ahead))
         self.sparse: Callable[[str], bool] = embedding_key if sparse is None else sparse
         self.stats = LoaderStats()
         self._lock = threading.RLock()
@@ -330,6 +353,8 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         self._next: dict[str, str] = {}                      # group -> the group used next
         self._last: str | None = None
         self._ready: dict[str, _Batch] = {}                  # key -> its batch, not handed out
+        self._arena = 0               # bytes of every batch buffer (set on first read)
+        self._current: _Batch | None = None                  # the batch _take serves from
         _loaders[id(self)] = self
 
     # -- Mapping -----------------------------------------------------------------------------
@@ -388,22 +413,28 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
             del self._ready[key]
         else:
             self.stats.hits += 1
-        self._finish(batch)
-        entry, pos = batch.places[key]
-        t = self._tensor(batch, entry, pos)      # before a read-ahead may retire the batch
-        if not batch.used:
-            batch.used = True
-            self._prefetch_after(batch)
-        batch.left -= 1
-        if batch.left <= 0:
-            batch.buf = None             # all handed out: the tensors own the memory now
-            try:
-                self._res.live.remove(batch)
-            except ValueError:
-                pass
-            # what follows may be this batch's own groups again (a model that fits in one
-            # batch, the next token's forward): read it now that they are handed out
-            self._prefetch_after(batch)
+        self._current = batch            # never retired by the read-ahead below
+        try:
+            if not batch.used:
+                # the next batches go to the drive before this one is waited for: their
+                # buffers are set up while the drive reads this one, and it never idles
+                batch.used = True
+                self._prefetch_after(batch)
+            self._finish(batch)
+            entry, pos = batch.places[key]
+            t = self._tensor(batch, entry, pos)
+            batch.left -= 1
+            if batch.left <= 0:
+                batch.buf = None         # all handed out: the tensors own the memory now
+                try:
+                    self._res.live.remove(batch)
+                except ValueError:
+                    pass
+                # what follows may be this batch's own groups again (a model that fits in
+                # one batch, the next token's forward): read it now that they are handed out
+                self._prefetch_after(batch)
+        finally:
+            self._current = None
         return t, entry
 
     def _group(self, key: str) -> str:
@@ -457,6 +488,19 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
             if guess in self._groups:
                 return guess
         return None
+
+    def _sized(self, key: str) -> bool:
+        """Whether the size of ``key`` may be learnt now: a ``.dat`` entry, or a safetensors
+        file whose header is read or large. (Reading the header of a file smaller than the
+        kernel's read-ahead window would pull the whole file into the page cache; such a
+        file's groups are small, and its header is read when it is used.)"""
+        if key in self._entries:
+            return True
+        st_file = self.index[key].get("safetensors_file")
+        if st_file is None:
+            return True
+        path = os.fspath(st_file)
+        return path in self._headers or os.stat(path).st_size >= _EAGER_HEADER
 
     def _entry(self, key: str) -> _Entry:
         entry = self._entries.get(key)
@@ -525,7 +569,8 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         assert self._groups is not None
         chosen = [first]
         entries = {k: self._entry(k) for k in self._groups[first]}
-        size = sum(e.nbytes for e in entries.values())
+        arena = self._arena_bytes()
+        size = _bound(entries.values())
         nxt = self._successor(first)
         while (size < self.batch_bytes and nxt is not None and nxt not in chosen
                and not any(k in self._ready for k in self._groups[nxt])):
@@ -533,21 +578,64 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
                 more = {k: self._entry(k) for k in self._groups[nxt]}
             except Exception:            # its own request will raise it
                 break
+            if size + _bound(more.values()) > arena:
+                break
             chosen.append(nxt)
             entries.update(more)
-            size += sum(e.nbytes for e in more.values())
+            size += _bound(more.values())
             nxt = self._successor(nxt)
         return self._read(chosen, entries)
 
+    def _arena_bytes(self) -> int:
+        """The size of every batch buffer: the largest group's extents, or ``batch_bytes``.
+
+        One size for all means that a buffer freed with the last tensor of its batch is the
+        one the next batch gets (the locked-memory cache keeps freed buffers of a size for
+        that size): after the first few batches no fresh memory is faulted in (on VMs that
+        back guest memory lazily, slower than the drive), and what the loader keeps resident
+        is a few buffers, not one of every size it ever read."""
+        if not self._arena:
+            assert self._groups is not None
+            largest = 0
+            for keys in self._groups.values():
+                try:
+                    if all(self._sized(k) for k in keys):
+                        largest = max(largest, _bound(self._entry(k) for k in keys))
+                except Exception:        # its own request will raise it
+                    continue
+            self._arena = round_up(max(largest, self.batch_bytes, 1), _ARENA_ROUND)
+        return self._arena
+
+    def _depth(self) -> int:
+        """Batches read ahead of the one in use: ``read_ahead`` bytes of buffers (one by
+        default), at least one."""
+        if self.read_ahead is None:
+            return 1
+        return max(1, self.read_ahead // self._arena_bytes())
+
     def _prefetch_after(self, batch: _Batch) -> None:
+        """Submit the batches that follow ``batch`` (as recorded) until ``_depth`` of them
+        are submitted and not yet used."""
         assert self._groups is not None
+        ahead = sum(1 for b in self._res.live if not b.used)
+        depth = self._depth()
+        seen = set(batch.groups)
         nxt = self._successor(batch.groups[-1])
-        if nxt is None or any(k in self._ready for k in self._groups[nxt]):
-            return                       # nothing known, or read already
-        try:
-            self._submit(nxt)
-        except Exception as exc:         # read ahead only: the request for it will raise
-            _log.debug("aioswap: no read-ahead of %s: %s", nxt, exc)
+        while ahead < depth and nxt is not None and nxt not in seen:
+            seen.add(nxt)
+            ready = [self._ready[k] for k in self._groups[nxt] if k in self._ready]
+            if ready:                    # read already: look past it
+                nxt = self._successor(ready[0].groups[-1])
+                seen.update(ready[0].groups)
+                continue
+            try:
+                got = self._submit(nxt)
+            except Exception as exc:     # read ahead only: the request for it will raise
+                _log.debug("aioswap: no read-ahead of %s: %s", nxt, exc)
+                return
+            ahead += 1
+            seen.update(got.groups)
+            nxt = self._successor(got.groups[-1])
 
     def _read(self, groups: list[str], entries: dict[str, _Entry]) -> _Batch:
         # extents: neighbouring tensors of one file in one aligned request
@@ -567,7 +655,8 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
             n = min(round_up(end, _ALIGN), self._res.sizes[path]) - start
             layout.append((path, f, start, n, total, ks))
             total += round_up(n, _ALIGN)
-        buf = memoryview(pinned.allocate(total, strict=False)) if total else None
+        buf = (memoryview(pinned.allocate(max(total, self._arena_bytes()), strict=False))
+               if total else None)
         places: dict[str, tuple[_Entry, int]] = {
             k: (e, 0) for k, e in entries.items() if not e.nbytes}
         requests = []
@@ -598,8 +687,13 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
                 old_batch.left -= 1
             self._ready[k] = batch
         batch.left = len(places)
-        while len(live) > _LIVE_BATCHES:         # bound what waits to be used
-            old = live.popleft()
+        # bound what waits to be used: the read-ahead, plus batches begun but not handed out
+        # (a caller that skips keys of a group), the oldest of which go first
+        while len(live) > self._depth() + _KEPT_BATCHES:
+            old = next((b for b in live if b is not self._current and b is not batch), None)
+            if old is None:
+                break
+            live.remove(old)
             for k in old.places:
                 if self._ready.get(k) is old:
                     del self._ready[k]
