@@ -1875,8 +1875,12 @@ cdef class AioQueue:
     def submit(self, int fd, bint write, size_t addr, uint64_t nbytes, int64_t offset,
                int mode, uint64_t align, uint64_t block, FileState file=None,
                bint fsync=False, bint sync=False, object token=None, object name=None,
-               object owner=None):
+               object owner=None, list sink=None):
         """Queue one request and submit what can go now; returns its :class:`Request`.
+
+        ``sink``: a list the request is appended to before this returns. A caller that must
+        drain what it queued when a signal handler raises needs it: the handler can run as
+        soon as this call returns, before the caller has stored the result anywhere.
 
         ``mode`` is MODE_DIRECT, MODE_BOUNCE or MODE_PLAIN; ``align`` the file's O_DIRECT
         offset alignment (1 for MODE_PLAIN); ``block`` the piece size (a multiple of
@@ -1991,6 +1995,8 @@ cdef class AioQueue:
                 pt.pthread_mutex_lock(&q.mu)
                 _wake(q)
                 pt.pthread_mutex_unlock(&q.mu)
+        if sink is not None:
+            sink.append(req)
         return req
 
     def run(self, int fd, bint write, size_t addr, uint64_t nbytes, int64_t offset, int mode,

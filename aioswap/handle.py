@@ -778,6 +778,9 @@ class AioHandle:
         # sync: every request is queued before the first is waited for; no futures, no
         # completion thread (each is reaped by this thread)
         queued: list[_Queued | _ShortQueued | _Request] = []
+        # every request queued, recorded by the queue itself: a signal handler can raise
+        # between a submission and the append to `queued`
+        subs: list[_aio.Request] = []
         try:
             for item in requests:
                 buf, file, *rest = item
@@ -785,7 +788,8 @@ class AioHandle:
                 if type(buf) in _short_types and type(off) is int and off >= 0:
                     f = self._short_file(file, write)
                     try:
-                        sq = _SLOW if f is None else self._short(write, buf, f, off, 2, file)
+                        sq = (_SLOW if f is None
+                              else self._short(write, buf, f, off, 2, file, subs))
                     finally:
                         if f is not None and f is not file:
                             f.unuse()
@@ -796,7 +800,7 @@ class AioHandle:
                 req = self._prepare(write, buf, file, rest[0] if rest else 0, None, False)
                 if self._is_one(req):
                     try:
-                        queued.append(self._queue_one(req, True, None))
+                        queued.append(self._queue_one(req, True, None, subs))
                     except BaseException:
                         self._release(req)
                         raise
@@ -808,6 +812,10 @@ class AioHandle:
             raise
         except BaseException:
             self._abandon(queued)               # a signal: stop as soon as possible
+            # one submitted but not in `queued` yet: nothing may write its memory after
+            # this raises (its file stays counted as in use: a signal's narrow window)
+            known = {id(q.rq) for q in queued if not isinstance(q, _Request)}
+            _drain([rq for rq in subs if id(rq) not in known])
             raise
         out: list[int] = []
         first: BaseException | None = None
@@ -1051,7 +1059,8 @@ class AioHandle:
         return None
 
     def _short(self, write: bool, t: Any, f: AioFile, offset: Any,
-               how: int, arg: FileArg) -> int | IOFuture | _ShortQueued | object:
+               how: int, arg: FileArg, sink: list[_aio.Request] | None = None
+               ) -> int | IOFuture | _ShortQueued | object:
         """The short path of the common request: a plain contiguous CPU tensor, whole, on a
         file this handle opened, in one lane's queue.
 
@@ -1121,7 +1130,7 @@ class AioHandle:
         if how == 2:
             try:
                 rq = lane.queue.submit(f._fd, write, addr, n, offset, mode, align,
-                                       f.piece, f.state, False, True, None, f.name, t)
+                                       f.piece, f.state, False, True, None, f.name, t, sink)
             except BaseException:
                 self._short_done(f, hold, write, 0, True)
                 raise
@@ -1430,9 +1439,10 @@ class AioHandle:
                     lane.ring.ensure()
                 if not sync:
                     lane.start()
-                submitted.append(lane.queue.submit(
-                    fd, req.write, mem.address + start, nbytes, req.offset + start, mode,
-                    f.off_align, block, f.state, fsync, sync, token, f.name, mem.owner))
+                # appended by submit itself: a signal handler may raise the moment it returns
+                lane.queue.submit(fd, req.write, mem.address + start, nbytes,
+                                  req.offset + start, mode, f.off_align, block, f.state, fsync,
+                                  sync, token, f.name, mem.owner, submitted)
         except BaseException as exc:
             exc.__aioswap_submitted__ = submitted      # type: ignore[attr-defined]
             if not submitted:
@@ -1526,10 +1536,42 @@ class AioHandle:
                 and len(self._slices(req)) == 1)
 
     def _run_one(self, req: _Request) -> int:
-        """A sync request of one slice, kept short."""
-        return self._finish_one(self._queue_one(req, True, None))
+        """A sync request of one slice, kept short: submitted and waited for in one call
+        into the queue (:meth:`AioQueue.run`), so a signal handler that raises finds the
+        request drained, never queued and forgotten."""
+        f, mem, n = req.file, req.mem, req.nbytes
+        hold = pinned.registry.hold(mem.address, n)
+        try:
+            mode, edges, middle = self._mode(req, hold is not None)
+            self._rr = rr = (self._rr + 1) % len(self._lanes)     # a hint: races are fine
+            lane = self._lanes[rr]
+            if mode != _aio.MODE_PLAIN and not lane.ring.attached:
+                lane.ring.ensure()
+            fd = f.use()
+        except BaseException:
+            if hold is not None:
+                pinned.registry.unhold(hold)
+            raise
+        done = -1
+        try:
+            with self._lock:
+                self._count_paths(mode, edges, middle)
+            done = lane.queue.run(fd, req.write, mem.address, n, req.offset, mode,
+                                  f.off_align, self._block(f), f.state, req.fsync, f.name)
+        except (OSError, EOFError) as exc:      # the request's own error (see _aio.failure)
+            with self._lock:
+                self._count_outcome(req.write, int(getattr(exc, "done", 0) or 0), True)
+            raise
+        finally:
+            f.unuse()
+            if hold is not None:
+                pinned.registry.unhold(hold)
+        with self._lock:
+            self._count_outcome(req.write, done, False)
+        return int(done)
 
-    def _queue_one(self, req: _Request, sync: bool, token: Any) -> _Queued:
+    def _queue_one(self, req: _Request, sync: bool, token: Any,
+                   sink: list[_aio.Request] | None = None) -> _Queued:
         """Queue a one-slice request on a lane (holding its memory and file)."""
         f, mem, n = req.file, req.mem, req.nbytes
         hold = pinned.registry.hold(mem.address, n)
@@ -1549,7 +1591,7 @@ class AioHandle:
         try:
             rq = lane.queue.submit(fd, req.write, mem.address, n, req.offset, mode,
                                    f.off_align, self._block(f), f.state, req.fsync, sync,
-                                   token, f.name, mem.owner)
+                                   token, f.name, mem.owner, sink)
         except BaseException:
             f.unuse()
             if hold is not None:
