@@ -285,25 +285,13 @@ def reserve_locked(Py_ssize_t nbytes):
     cdef size_t page = PAGE_SIZE
     cdef size_t mapped
     cdef void* addr
-    cdef int rc = 0, e = 0
     if nbytes <= 0:
         raise ValueError(f"reserve_locked needs a positive size, got {nbytes}")
     if _nreserve == _NRESERVE:
         raise ValueError(f"at most {_NRESERVE} reservations at once; release_locked_reserve() "
                          f"first")
     mapped = ((<size_t>nbytes + page - 1) // page) * page
-    with nogil:
-        addr = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
-        if addr == MAP_FAILED:
-            e = errno
-        else:
-            rc = mlock(addr, mapped)
-            if rc != 0:
-                e = errno
-                munmap(addr, mapped)
-    if addr == MAP_FAILED:
-        raise MemoryError(f"mmap of {mapped} bytes failed: {os.strerror(e)}")
-    _check(rc, e, f"mlock of {mapped} bytes")
+    addr = _fresh(mapped, True)
     if _nreserve == _NRESERVE:          # another thread filled the table meanwhile
         munlock(addr, mapped)
         munmap(addr, mapped)
@@ -378,6 +366,27 @@ cdef void* _map(size_t mapped) noexcept nogil:
     return <void*>a
 
 
+cdef void* _fresh(size_t mapped, bint lock) except NULL:
+    """A fresh mapping of ``mapped`` bytes (see :func:`_map`), locked and faulted in when
+    ``lock`` (GIL released meanwhile). Raises MemoryError, or OSError as mlock failed (the
+    mapping removed again)."""
+    cdef void* addr
+    cdef int rc = 0, e = 0
+    with nogil:
+        addr = _map(mapped)
+        if addr == MAP_FAILED:
+            e = errno
+        elif lock:
+            rc = mlock(addr, mapped)
+            if rc != 0:
+                e = errno
+                munmap(addr, mapped)
+    if addr == MAP_FAILED:
+        raise MemoryError(f"mmap of {mapped} bytes failed: {os.strerror(e)}")
+    _check(rc, e, f"mlock of {mapped} bytes")
+    return addr
+
+
 cdef class LockedMemory:
     """Page-aligned anonymous memory (``mmap``), ``mlock``-ed when asked; a writable buffer.
 
@@ -415,7 +424,6 @@ cdef class LockedMemory:
         cdef size_t page = PAGE_SIZE
         cdef size_t mapped
         cdef void* addr
-        cdef int rc = 0, e = 0
         if self._addr != NULL:
             raise RuntimeError("LockedMemory is already initialised")
         if nbytes <= 0:
@@ -431,18 +439,7 @@ cdef class LockedMemory:
                 self._mapped = mapped
                 self._locked = True
                 return
-        with nogil:
-            addr = _map(mapped)
-            if addr == MAP_FAILED:
-                e = errno
-            elif lock:
-                rc = mlock(addr, mapped)
-                if rc != 0:
-                    e = errno
-                    munmap(addr, mapped)
-        if addr == MAP_FAILED:
-            raise MemoryError(f"mmap of {mapped} bytes failed: {os.strerror(e)}")
-        _check(rc, e, f"mlock of {mapped} bytes")
+        addr = _fresh(mapped, lock)
         self._addr = addr
         self._nbytes = <size_t>nbytes
         self._mapped = mapped

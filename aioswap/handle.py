@@ -1535,24 +1535,32 @@ class AioHandle:
         return (req.nbytes > 0 and mem.contiguous and mem.device == "cpu"
                 and len(self._slices(req)) == 1)
 
-    def _run_one(self, req: _Request) -> int:
-        """A sync request of one slice, kept short: submitted and waited for in one call
-        into the queue (:meth:`AioQueue.run`), so a signal handler that raises finds the
-        request drained, never queued and forgotten."""
-        f, mem, n = req.file, req.mem, req.nbytes
-        hold = pinned.registry.hold(mem.address, n)
+    def _take_lane(self, req: _Request, sync: bool) -> tuple[Any, int, int, int, _Lane, int]:
+        """For a one-slice request: hold its memory, choose its mode and lane (ring attached,
+        completion thread started unless ``sync``) and count a use of its file. Returns
+        ``(hold, mode, edges, middle, lane, fd)``; on an error nothing is left held."""
+        hold = pinned.registry.hold(req.mem.address, req.nbytes)
         try:
             mode, edges, middle = self._mode(req, hold is not None)
             self._rr = rr = (self._rr + 1) % len(self._lanes)     # a hint: races are fine
             lane = self._lanes[rr]
             if mode != _aio.MODE_PLAIN and not lane.ring.attached:
                 lane.ring.ensure()
-            fd = f.use()
+            if not sync and lane.thread is None:
+                lane.start()
+            fd = req.file.use()
         except BaseException:
             if hold is not None:
                 pinned.registry.unhold(hold)
             raise
-        done = -1
+        return hold, mode, edges, middle, lane, fd
+
+    def _run_one(self, req: _Request) -> int:
+        """A sync request of one slice, kept short: submitted and waited for in one call
+        into the queue (:meth:`AioQueue.run`), so a signal handler that raises finds the
+        request drained, never queued and forgotten."""
+        f, mem, n = req.file, req.mem, req.nbytes
+        hold, mode, edges, middle, lane, fd = self._take_lane(req, True)
         try:
             with self._lock:
                 self._count_paths(mode, edges, middle)
@@ -1574,20 +1582,7 @@ class AioHandle:
                    sink: list[_aio.Request] | None = None) -> _Queued:
         """Queue a one-slice request on a lane (holding its memory and file)."""
         f, mem, n = req.file, req.mem, req.nbytes
-        hold = pinned.registry.hold(mem.address, n)
-        try:
-            mode, edges, middle = self._mode(req, hold is not None)
-            self._rr = rr = (self._rr + 1) % len(self._lanes)     # a hint: races are fine
-            lane = self._lanes[rr]
-            if mode != _aio.MODE_PLAIN and not lane.ring.attached:
-                lane.ring.ensure()
-            if not sync and lane.thread is None:
-                lane.start()
-            fd = f.use()
-        except BaseException:
-            if hold is not None:
-                pinned.registry.unhold(hold)
-            raise
+        hold, mode, edges, middle, lane, fd = self._take_lane(req, sync)
         try:
             rq = lane.queue.submit(fd, req.write, mem.address, n, req.offset, mode,
                                    f.off_align, self._block(f), f.state, req.fsync, sync,
