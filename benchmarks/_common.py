@@ -32,7 +32,7 @@ from aioswap.tune import drop_cache as _drop_cache
 
 __all__ = [
     "CACHE_NOTE", "GB", "UNITS_NOTE", "Summary", "add_common_args", "check_common_args",
-    "drop_cache", "fio_path", "format_size",
+    "drop_cache", "fio_path", "format_size", "freed",
     "orders", "print_table", "ratio", "resident_fraction", "run_fio", "scratch_file",
     "short_size", "size_arg", "summarize", "timed",
 ]
@@ -134,6 +134,24 @@ def timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def freed(d: dict[Any, Any]) -> float:
+    """Seconds to free what ``d`` holds by dropping the caller's last references
+    (``d.clear()``), as a program does when it is done with a state dict.
+
+    Then a full ``gc.collect()`` runs, so that nothing a method left in reference cycles
+    outlives its round: its time is charged too, but only when it found garbage (a method
+    whose result frees by reference counting is not charged a collection of the whole
+    interpreter, which costs ~50 ms with torch loaded and frees nothing of it).
+    """
+    import gc
+    t0 = time.perf_counter()
+    d.clear()
+    t1 = time.perf_counter()
+    found = gc.collect()
+    t2 = time.perf_counter()
+    return (t2 - t0) if found else (t1 - t0)
 
 
 def orders(names: Sequence[str], rounds: int) -> Iterator[list[str]]:

@@ -30,7 +30,6 @@ spread (min-max), GB/s = 10^9 B/s, and ratios aioswap/other (bigger is better).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
@@ -47,7 +46,7 @@ import aioswap
 import aioswap.safetensors as ast
 from aioswap import pinned
 from _common import drop_cache as _drop_cache
-from _common import format_size, gpt_state_dict
+from _common import format_size, freed, gpt_state_dict
 
 try:
     import safetensors.torch as st
@@ -88,13 +87,6 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
         and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
         for k in a)
 
-
-def freed(d: dict[str, torch.Tensor]) -> float:
-    """Seconds to free the tensors of ``d`` (the caller's last reference to them)."""
-    t0 = time.perf_counter()
-    d.clear()
-    gc.collect()
-    return time.perf_counter() - t0
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:

@@ -38,7 +38,6 @@ better: above 1, aioswap is faster).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
@@ -49,7 +48,7 @@ import time
 from typing import Any, Callable
 
 import torch
-from _common import GB, UNITS_NOTE, format_size, orders, print_table
+from _common import GB, UNITS_NOTE, format_size, freed, orders, print_table
 import _cold as cold
 from _common import drop_cache as _drop_cache
 
@@ -138,13 +137,6 @@ def same(sd: dict[str, torch.Tensor], got: dict[str, torch.Tensor], who: str) ->
                                                  v.reshape(-1).view(torch.uint8)):
             raise SystemExit(f"{who} read back different bytes for {k}")
 
-
-def freed(d: dict[str, torch.Tensor]) -> float:
-    """Seconds to free the tensors of ``d`` (the caller's last reference to them)."""
-    t0 = time.perf_counter()
-    d.clear()
-    gc.collect()
-    return time.perf_counter() - t0
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
