@@ -19,7 +19,8 @@ cimport aioswap._kthreads as kt
 cimport aioswap._uring as ur
 cimport aioswap._pthread as pt
 from aioswap._pthread cimport CLOCK_MONOTONIC, clock_gettime, timespec
-from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES
+from cpython.buffer cimport (PyBUF_FORMAT, PyBUF_ND, PyBUF_SIMPLE, PyBUF_STRIDES, PyBuffer_Release,
+                            PyObject_GetBuffer)
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
 from libc.errno cimport EAGAIN, EFAULT, EINTR, EINVAL, EIO, EISDIR, ENOSYS, EPERM, errno
@@ -31,7 +32,7 @@ import os
 
 from aioswap.errors import DirectIOUnsupportedError, HandleClosedError, ShortReadError
 
-from aioswap._mman cimport MADV_POPULATE_WRITE, madvise
+from aioswap._mman cimport MADV_POPULATE_READ, MADV_POPULATE_WRITE, madvise
 from posix.mman cimport (MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, PROT_READ, PROT_WRITE, mlock,
                          mmap, munlock, munmap)
 
@@ -725,6 +726,37 @@ cdef bint _populate_known() noexcept:
 
 
 _populate = _populate_known()
+
+
+def populate_read(object buf):
+    """Fault in every page of ``buf`` (a mapping's buffer) for reading, in one call with the
+    GIL released: for a file mapping, wait until its bytes are in the page cache (reading
+    them if need be) and map them. Returns False where the kernel lacks
+    ``MADV_POPULATE_READ`` (before Linux 5.14: the pages fault in as they are touched).
+
+    Raises OSError (EFAULT) where a page cannot be mapped: a file mapping past the file's
+    end (the file shrank), or an I/O error.
+    """
+    cdef Py_buffer view
+    cdef uintptr_t lo, hi
+    cdef int rc = 0, e = 0
+    PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+    try:
+        if view.len == 0:
+            return True
+        lo = <uintptr_t>view.buf & ~(<uintptr_t>_page - 1)
+        hi = (<uintptr_t>view.buf + <size_t>view.len + _page - 1) & ~(<uintptr_t>_page - 1)
+        with nogil:
+            rc = madvise(<void*>lo, hi - lo, MADV_POPULATE_READ)
+            if rc != 0:
+                e = errno
+    finally:
+        PyBuffer_Release(&view)
+    if rc != 0:
+        if e == EINVAL:
+            return False
+        raise OSError(e, f"madvise(MADV_POPULATE_READ) of {hi - lo} bytes: {os.strerror(e)}")
+    return True
 
 
 cdef int _copy_out(void* dst, const void* src, size_t n) noexcept nogil:

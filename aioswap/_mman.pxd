@@ -6,4 +6,5 @@ cdef extern from "<sys/mman.h>" nogil:
 
 # Linux 5.14; the value is the kernel's (older headers lack the name)
 cdef enum:
+    MADV_POPULATE_READ = 22
     MADV_POPULATE_WRITE = 23

@@ -1,4 +1,4 @@
-"""accelerate's disk offload, read with batched direct I/O.
+"""accelerate's disk offload, read through the page cache ahead of use or with batched direct I/O.
 
 After :func:`install`, every ``OffloadedWeightsLoader`` that accelerate builds (in
 ``dispatch_model`` for ``device_map`` entries ``"disk"``, as transformers' ``from_pretrained``
@@ -11,34 +11,55 @@ The stock loader opens and maps a safetensors shard (or a ``.dat`` file) for eve
 every forward and lets page faults bring the bytes in, one weight at a time. Here:
 
 * The key set is built in O(n) and nothing is opened at construction.
-* Each file is opened once per loader (``O_DIRECT``, one :class:`~aioswap.AioHandle` per
-  loader) and checked the first time it is used: a safetensors shard must have a valid
-  header (:func:`aioswap.safetensors.read_header`: a truncated file is refused) that names
-  the weight the index points at; a ``.dat`` file must hold exactly the bytes its
-  ``dtype``/``shape`` in ``index.json`` take. Anything else raises :class:`OffloadFileError`.
-* Weights are read in *groups*: the keys of one decoder layer (a key's prefix up to its first
-  numeric component, ``model.layers.7``) or of one module. The first request for a key of a
-  group reads the whole group, plus the groups that follow it up to ``batch_bytes``, in one
-  batched submission into one page-locked buffer (neighbouring tensors of a file in one
-  request).
-* The order in which groups are used is recorded as they are used; when a batch is first
-  asked for, before it is waited for, the batches that follow it (the groups that came next
-  last time; on the first forward, layer ``N + 1`` after layer ``N``) are submitted, up to
-  ``read_ahead`` bytes (one batch by default): the drive never waits for a buffer to be
-  set up, and the next layer is read while this one computes.
+* Each file is opened once per loader and checked the first time it is used: a safetensors
+  shard must have a valid header (:func:`aioswap.safetensors.read_header`: a truncated file
+  is refused) that names the weight the index points at; a ``.dat`` file must hold exactly
+  the bytes its ``dtype``/``shape`` in ``index.json`` take. Anything else raises
+  :class:`OffloadFileError`.
+* Weights are read in *groups*: the keys of one decoder layer (a key's prefix up to its
+  first numeric component, ``model.layers.7``) or of one module, neighbouring tensors of a
+  file in one extent. The order in which groups are used is recorded as they are used, and
+  the groups that come next (last time; on the first forward, layer ``N + 1`` after layer
+  ``N``) are read ahead while this one computes.
+* Embedding tables (:func:`embedding_key`, or the loader's ``sparse`` test) are handed out
+  as private file mappings, as stock does, so a forward reads only the rows it touches.
+* Two ways to read, chosen once per loader at its first read (``page_cache``): when the
+  offloaded weights take at most half the memory there is for them
+  (:func:`memory_for_cache`: ``MemAvailable``, capped by the process's cgroup memory
+  limit), *through the page cache*; else, or on request, *direct*. The page cache is what
+  lets every forward after the first run at memory speed; when the model does not fit, it
+  thrashes, and direct reads, which fill no cache, do better.
+
+Through the page cache:
+
+* A group's tensors are views of one private (copy-on-write) mapping per extent, as the
+  stock loader maps shards; the mapping is faulted in with one ``MADV_POPULATE_READ`` call
+  (the GIL released): one wait for the extent instead of a page fault per 4 KiB.
+* Before a group is mapped, the kernel is asked to read it and the groups that follow it,
+  up to ``read_ahead`` bytes (256 MiB by default), into the page cache
+  (``posix_fadvise(WILLNEED)``, the following ones on a background thread): the drive works
+  through them in large requests, queued deep, while this group computes.
+* A tensor keeps its mapping alive; the mapping goes with the last tensor, and its pages
+  stay in the cache for the next forward.
+
+Direct:
+
+* Files are opened with ``O_DIRECT`` (one :class:`~aioswap.AioHandle` per loader). The
+  first request for a key of a group reads the whole group, plus the groups that follow it
+  up to ``batch_bytes``, in one batched submission into one page-locked buffer; when a
+  batch is first asked for, before it is waited for, the batches that follow it are
+  submitted, up to ``read_ahead`` bytes (one batch by default).
 * Every batch buffer has one size (the largest group's, or ``batch_bytes``), so the buffer
   freed with the last tensor of a batch is the one a later batch gets back from the
   locked-memory cache: fresh memory is faulted in for the first few batches only, and what
   stays resident is a few buffers, not one of each size ever read.
 * What of a request's range is in the page cache is copied from it (``preadv`` with
   ``RWF_NOWAIT``, which never waits for the drive and starts no read-ahead); only the rest
-  is read with ``O_DIRECT``, which fills no cache. A warm forward runs at memory speed; a
-  forward after a cold one finds nothing cached and reads from the drive again.
-* Embedding tables (:func:`embedding_key`, or the loader's ``sparse`` test) are handed out
-  as private file mappings, as stock does, so a forward reads only the rows it touches.
+  is read with ``O_DIRECT``, which fills no cache.
 * Every tensor handed out is a view of its batch's buffer with a storage of its own; the
-  buffer is never reused while any such tensor lives (it is freed, back into the locked-memory
-  cache, with the last one), so a tensor the caller keeps is never overwritten.
+  buffer is never reused while any such tensor lives (it is freed, back into the
+  locked-memory cache, with the last one), so a tensor the caller keeps is never
+  overwritten.
 
 How it writes
 -------------
@@ -71,7 +92,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from aioswap import pinned
+from aioswap import _aio, pinned
 from aioswap._aio import DEFAULT_ALIGNMENT as _ALIGN
 from aioswap._util import first_error, round_up
 from aioswap.errors import AioswapError, AioswapWarning
@@ -83,6 +104,7 @@ __all__ = [
     "LoaderStats",
     "OffloadFileError",
     "embedding_key",
+    "memory_for_cache",
     "install",
     "installed",
     "uninstall",
@@ -98,6 +120,10 @@ _EXPECTED = ("accelerate.utils.offload", "accelerate.utils", "accelerate.big_mod
 _MERGE_GAP = 64 << 10         # neighbouring tensors of a file this close share one request
 _BATCH_BYTES = 16 << 20       # default: a batch grows by following groups up to this
 _KEPT_BATCHES = 2             # batches begun and not handed out kept beside the read-ahead
+_CACHE_SHARE = 0.5            # through the page cache while the weights take at most this
+#                               share of the memory there is for them
+_CACHE_AHEAD = 1 << 30        # default read-ahead through the page cache, bytes
+_KEPT_GROUPS = 2              # groups mapped and not all handed out, kept (page-cache way)
 
 
 class OffloadFileError(AioswapError, ValueError):
@@ -120,6 +146,7 @@ class LoaderStats:
     hits: int = 0             # tensors served from a batch read ahead
     misses: int = 0           # tensors whose batch was read on demand
     files_opened: int = 0
+    advised_bytes: int = 0    # bytes asked into the page cache ahead of use (page-cache way)
 
 
 @dataclass(frozen=True)
@@ -192,6 +219,165 @@ def _group_of(key: str) -> str:
     return key.rpartition(".")[0]
 
 
+def _cgroup_memory_limit() -> int | None:
+    """The smallest memory limit of this process's cgroup and its ancestors (cgroup v1
+    ``memory.limit_in_bytes``, v2 ``memory.max``), or None."""
+    try:
+        with open("/proc/self/cgroup", encoding="ascii") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    best: int | None = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            name = "memory.max"
+            base = ("/sys/fs/cgroup" if os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+                    else "/sys/fs/cgroup/unified")
+        elif "memory" in controllers.split(","):
+            base, name = "/sys/fs/cgroup/memory", "memory.limit_in_bytes"
+        else:
+            continue
+        while True:
+            try:
+                with open(os.path.join(base + path.rstrip("/"), name), encoding="ascii") as f:
+                    value = f.read().strip()
+            except (OSError, ValueError):
+                value = ""
+            if value.isdigit():
+                best = int(value) if best is None else min(best, int(value))
+            if path in ("/", ""):
+                break
+            path = os.path.dirname(path)
+    return best
+
+
+def memory_for_cache() -> int:
+    """Bytes of memory the page cache has for this process: ``MemAvailable`` of
+    ``/proc/meminfo``, capped by its cgroup's memory limit (what decides the default way of
+    reading of :class:`AioswapWeightsLoader`)."""
+    avail = 0
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    limit = _cgroup_memory_limit()
+    return avail if limit is None else min(avail, limit)
+
+
+_chunks: dict[int, int] = {}
+
+
+def _advice_chunk(st_dev: int) -> int:
+    """Most bytes one ``posix_fadvise(WILLNEED)`` reads on device ``st_dev``: the kernel
+    caps each call at the larger of the device's largest request (``max_sectors_kb``) and
+    its read-ahead window (``read_ahead_kb``) and drops the rest, so a longer range is
+    asked for in pieces of this size (128 KiB where sysfs does not say)."""
+    chunk = _chunks.get(st_dev)
+    if chunk is None:
+        chunk = 128 << 10
+        base = f"/sys/dev/block/{os.major(st_dev)}:{os.minor(st_dev)}"
+        for queue in (base + "/queue", base + "/../queue"):      # a disk, a partition
+            try:
+                with open(queue + "/max_sectors_kb", encoding="ascii") as f:
+                    max_kb = int(f.read())
+                with open(queue + "/read_ahead_kb", encoding="ascii") as f:
+                    ra_kb = int(f.read())
+            except (OSError, ValueError):
+                continue
+            chunk = max(max_kb, ra_kb, 4) << 10
+            break
+        _chunks[st_dev] = chunk
+    return chunk
+
+
+def _willneed(fd: int, offset: int, n: int, chunk: int) -> None:
+    """Ask for ``n`` bytes at ``offset`` to be read into the page cache (the reads are
+    submitted, not waited for), ``chunk`` bytes per call."""
+    end = offset + n
+    try:
+        while offset < end:
+            os.posix_fadvise(fd, offset, min(chunk, end - offset), os.POSIX_FADV_WILLNEED)
+            offset += chunk
+    except OSError:                  # a hint: the reads happen when the data is used
+        pass
+
+
+class _Advisor:
+    """One thread that asks the kernel to read ranges of files into the page cache
+    (:func:`_willneed`), in the order they were queued: the caller never waits for a
+    queue slot of the drive. Jobs carry a duplicate of the caller's descriptor, closed once
+    advised."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._jobs: deque[tuple[int, int, int, int]] = deque()
+        self._pid = -1
+
+    def put(self, jobs: list[tuple[int, int, int, int]]) -> None:
+        with self._cv:
+            if self._pid != os.getpid():             # first use, or a forked child
+                self._jobs.clear()
+                self._pid = os.getpid()
+                threading.Thread(target=self._run, name="aioswap-readahead",
+                                 daemon=True).start()
+            self._jobs.extend(jobs)
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs:
+                    self._cv.wait()
+                fd, offset, n, chunk = self._jobs.popleft()
+            try:
+                _willneed(fd, offset, n, chunk)
+            finally:
+                os.close(fd)
+
+
+_advisor = _Advisor()
+
+
+def _extents(entries: Mapping[str, _Entry]) -> list[tuple[str, int, int, list[str]]]:
+    """(path, start, end, keys): the tensors of ``entries`` with bytes, neighbouring ones of
+    a file (at most ``_MERGE_GAP`` apart) in one extent; starts aligned down to the block."""
+    order = sorted((e.path, e.offset, k) for k, e in entries.items() if e.nbytes)
+    extents: list[tuple[str, int, int, list[str]]] = []
+    for path, offset, k in order:
+        e = entries[k]
+        if extents and extents[-1][0] == path and offset - extents[-1][2] <= _MERGE_GAP:
+            p, s, end, ks = extents[-1]
+            extents[-1] = (p, s, max(end, offset + e.nbytes), ks + [k])
+        else:
+            extents.append((path, offset // _ALIGN * _ALIGN, offset + e.nbytes, [k]))
+    return extents
+
+
+def _view(buf: Any, entry: _Entry, pos: int) -> torch.Tensor:
+    """The tensor of ``entry`` at byte ``pos`` of ``buf`` (a batch buffer or a mapping,
+    page-aligned): a view with a storage of its own that keeps ``buf`` alive, or a copy
+    where the bytes are misaligned for the dtype."""
+    n = entry.nbytes
+    if n == 0:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    size = entry.dtype.itemsize
+    if pos % size:                               # misaligned in the file: own memory
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        out.view(-1).view(torch.uint8).copy_(
+            torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=pos))
+        return out
+    return torch.frombuffer(buf, dtype=entry.dtype, count=n // size,
+                            offset=pos).view(entry.shape)
+
+
 class _Resources:
     """The handle and open files of a loader (closed by the loader or its finalizer)."""
 
@@ -200,8 +386,40 @@ class _Resources:
         self.files: OrderedDict[str, AioFile] = OrderedDict()
         self.sizes: dict[str, int] = {}          # size of each file when first opened
         self.plain: dict[str, int] = {}          # buffered fds (page-cache probes, mmap)
+        self.mapfds: OrderedDict[str, int] = OrderedDict()   # buffered fds (page-cache way)
+        self.devices: dict[str, int] = {}        # st_dev of each (page-cache way)
         self.max_open_files = max_open_files
         self.live: deque[_Batch] = deque()
+        self.direct = True            # which way the loader reads (set at its first read)
+
+    def size(self, path: str, stats: LoaderStats) -> int:
+        """The size of ``path`` when first seen (opened through the way in use)."""
+        if path not in self.sizes:
+            if self.direct:
+                self.open(path, stats)
+            else:
+                self.mapfd(path, stats)
+        return self.sizes[path]
+
+    def mapfd(self, path: str, stats: LoaderStats) -> int:
+        """A plain (buffered, default read-ahead) descriptor of ``path`` for mappings and
+        read-ahead advice; the size seen first is recorded, a change raises."""
+        fd = self.mapfds.get(path)
+        if fd is not None:
+            self.mapfds.move_to_end(path)
+            return fd
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        stats.files_opened += 1
+        size = os.fstat(fd).st_size
+        if self.sizes.setdefault(path, size) != size:
+            os.close(fd)
+            raise OffloadFileError(f"{path!r} changed size while in use ({self.sizes[path]} "
+                                   f"bytes when first opened, {size} now)", path=path)
+        self.mapfds[path] = fd
+        self.devices[path] = os.fstat(fd).st_dev
+        while len(self.mapfds) > self.max_open_files:    # one .dat file per weight: cap fds
+            os.close(self.mapfds.popitem(last=False)[1])
+        return fd
 
     def open(self, path: str, stats: LoaderStats) -> AioFile:
         f = self.files.get(path)
@@ -267,7 +485,11 @@ class _Resources:
         for fd in self.plain.values():
             os.close(fd)
         self.plain.clear()
-        self.sizes.clear()
+        for fd in self.mapfds.values():
+            os.close(fd)
+        self.mapfds.clear()
+        # self.sizes stays: the loader keeps what it learnt of the files (headers, places),
+        # so a file reopened with another size is refused, not misread
         if self.handle is not None:
             self.handle.close()
             self.handle = None
@@ -297,13 +519,20 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
     max_open_files : int
         Most files kept open at once (least recently used ones are closed).
     read_ahead : int, optional
-        Bytes of batches read ahead of the one in use (whole batch buffers, at least one);
-        default one batch.
+        Direct: bytes of batches read ahead of the one in use (whole batch buffers, at least
+        one); default one batch. Through the page cache: bytes of the following groups asked
+        into the cache (at least one group); default 256 MiB.
     sparse : callable, optional
         ``sparse(key)`` is true for weights the model uses sparsely (an embedding looks up
         the rows of its tokens): they are handed out as private file mappings, as the stock
         loader hands out every safetensors weight, so a forward reads only the pages it
         touches. Default :func:`embedding_key`; ``lambda key: False`` reads them whole.
+    page_cache : bool, optional
+        True: read through the page cache (a forward after the first runs at memory speed);
+        False: direct (``O_DIRECT``, fills no cache: for models larger than memory). None
+        (default): as ``install(page_cache=)`` said; unless it said, through the page cache
+        when the offloaded weights take at most half of :func:`memory_for_cache`, decided at
+        the first read. :attr:`through_page_cache` says what was chosen.
 
     Raises
     ------
@@ -324,7 +553,8 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
                  device: Any = None, *, batch_bytes: int = _BATCH_BYTES,
                  max_open_files: int = 512,
                  sparse: Optional[Callable[[str], bool]] = None,
-                 read_ahead: Optional[int] = None) -> None:
+                 read_ahead: Optional[int] = None,
+                 page_cache: Optional[bool] = None) -> None:
         if state_dict is None and save_folder is None and index is None:
             raise ValueError("Need either a `state_dict`, a `save_folder` or an `index` "
                              "containing offloaded weights.")
@@ -342,6 +572,11 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         self.batch_bytes = int(batch_bytes)
         self.read_ahead = None if read_ahead is None else max(0, int(read_ahead))
         self.sparse: Callable[[str], bool] = embedding_key if sparse is None else sparse
+        self.page_cache = _page_cache if page_cache is None else page_cache
+        self._through: bool | None = None
+        self._views: dict[str, tuple[Any, _Entry, int]] = {}  # key -> its mapping, not handed out
+        self._mapped_groups: deque[str] = deque()            # groups with views kept, oldest first
+        self._advised: dict[str, int] = {}                   # group -> bytes asked ahead, not used
         self.stats = LoaderStats()
         self._lock = threading.RLock()
         self._res = _Resources(max(1, int(max_open_files)))
@@ -364,7 +599,13 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         if key not in self.index:
             raise KeyError(key)
         with self._lock:
-            t, entry = self._mapped(key) if self.sparse(key) else self._take(key)
+            through = self._through_cache()
+            if self.sparse(key):
+                t, entry = self._mapped(key)
+            elif through:
+                t, entry = self._take_cached(key)
+            else:
+                t, entry = self._take(key)
         if entry.cast is not None and t.dtype != entry.cast:
             t = t.to(entry.cast)
         if entry.to_device:
@@ -392,6 +633,9 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         opens them again when used."""
         with self._lock:
             self._ready.clear()
+            self._views.clear()
+            self._mapped_groups.clear()
+            self._advised.clear()
             self._res.close()
 
     def __enter__(self) -> AioswapWeightsLoader:
@@ -401,11 +645,162 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         self.close()
 
     # -- reading -----------------------------------------------------------------------------
-    def _take(self, key: str) -> tuple[torch.Tensor, _Entry]:
-        group = self._group(key)
+    @property
+    def through_page_cache(self) -> bool | None:
+        """How this loader reads: True through the page cache, False direct, None not
+        decided yet (before the first read; see ``page_cache``)."""
+        return self._through
+
+    def _through_cache(self) -> bool:
+        if self._through is None:
+            if self.page_cache is not None:
+                through = bool(self.page_cache)
+            else:
+                need, room = self._offloaded_bytes(), memory_for_cache()
+                through = need <= _CACHE_SHARE * room
+                _log.info("aioswap: %d bytes of offloaded weights, %d bytes of memory for the "
+                          "page cache: reading %s", need, room,
+                          "through the page cache" if through else "direct (O_DIRECT)")
+            self._through = through
+            self._res.direct = not through
+        return self._through
+
+    def _offloaded_bytes(self) -> int:
+        """Bytes of the offloaded weights (a file's size where its header cannot be read:
+        its own read raises)."""
+        total = 0
+        by_file: dict[str, list[str]] = {}
+        for key, info in self.index.items():
+            if key in self.state_dict:
+                continue
+            st_file = info.get("safetensors_file")
+            if st_file is not None:
+                by_file.setdefault(os.fspath(st_file), []).append(info.get("weight_name", key))
+                continue
+            try:
+                total += math.prod(int(d) for d in info["shape"]) * \
+                    _dat_dtype(str(info["dtype"])).itemsize
+            except Exception:            # its own read raises
+                continue
+        for path, names in by_file.items():
+            try:
+                header = self._headers.get(path) or read_header(path)
+                total += sum(header.tensors[n].nbytes for n in names if n in header.tensors)
+            except Exception:
+                try:
+                    total += os.stat(path).st_size
+                except OSError:
+                    pass
+        return total
+
+    def _used(self, group: str) -> None:
+        """Record that ``group`` is used now (the order read ahead next time)."""
         if self._last is not None and self._last != group:
             self._next[self._last] = group
         self._last = group
+
+    def _take_cached(self, key: str) -> tuple[torch.Tensor, _Entry]:
+        group = self._group(key)
+        self._used(group)
+        got = self._views.pop(key, None)
+        if got is None:
+            self.stats.misses += 1
+            self._map_group(group)
+            got = self._views.pop(key)
+        else:
+            self.stats.hits += 1
+        m, entry, pos = got
+        return _view(m, entry, pos), entry
+
+    def _map_group(self, group: str) -> None:
+        """Map the extents of ``group`` (after asking for it and the groups that follow it
+        to be read into the page cache) and fault them in; its keys' views wait in
+        ``_views``."""
+        assert self._groups is not None
+        entries = {k: self._entry(k) for k in self._groups[group]}
+        self._advise([group], entries, wait=True)
+        self._advise_after(group)
+        maps: list[tuple[Any, int, int, list[str]]] = []
+        for path, start, end, ks in _extents(entries):
+            fd = self._res.mapfd(path, self.stats)
+            size = os.fstat(fd).st_size
+            if size != self._res.sizes[path]:            # a mapping past the end is SIGBUS
+                raise OffloadFileError(f"{path!r} changed size while in use "
+                                       f"({self._res.sizes[path]} bytes when first opened, "
+                                       f"{size} now)", path=path)
+            base = start // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+            maps.append((mmap.mmap(fd, end - base, access=mmap.ACCESS_COPY, offset=base),
+                         base, end, ks))
+        for m, base, end, ks in maps:
+            try:
+                _aio.populate_read(m)            # one wait for the extent, GIL released
+            except OSError as exc:
+                raise OSError(exc.errno, f"reading offloaded weights {ks[0]!r}... from "
+                              f"{entries[ks[0]].path!r} (bytes {base}..{end}): "
+                              f"{os.strerror(exc.errno or 0)}") from exc
+            for k in ks:
+                self._views[k] = (m, entries[k], entries[k].offset - base)
+            self.stats.requests += 1
+            self.stats.bytes_read += end - base
+        for k, e in entries.items():
+            if not e.nbytes:
+                self._views[k] = (None, e, 0)
+        self.stats.batches += 1
+        # bound what waits to be handed out: views of the last few groups (a caller that
+        # skips keys of a group leaves them here)
+        if group in self._mapped_groups:
+            self._mapped_groups.remove(group)
+        self._mapped_groups.append(group)
+        while len(self._mapped_groups) > _KEPT_GROUPS:
+            old = self._mapped_groups.popleft()
+            for k in self._groups[old]:
+                self._views.pop(k, None)
+
+    def _advise(self, groups: list[str], entries: Mapping[str, _Entry], wait: bool) -> int:
+        """Ask the kernel to read ``entries`` (of ``groups``) into the page cache; returns
+        the bytes asked for. ``wait``: in this thread (the reads are submitted on return),
+        else on the read-ahead thread."""
+        jobs = []
+        nbytes = 0
+        for path, start, end, _ in _extents(entries):
+            fd = self._res.mapfd(path, self.stats)
+            chunk = _advice_chunk(self._res.devices[path])
+            if wait:
+                _willneed(fd, start, end - start, chunk)
+            else:
+                jobs.append((os.dup(fd), start, end - start, chunk))
+            nbytes += end - start
+        if jobs:
+            _advisor.put(jobs)
+        self.stats.advised_bytes += nbytes
+        return nbytes
+
+    def _advise_after(self, group: str) -> None:
+        """Ask for the groups that follow ``group`` (as recorded) to be read into the page
+        cache, until ``read_ahead`` bytes are asked for and not used yet."""
+        assert self._groups is not None
+        budget = _CACHE_AHEAD if self.read_ahead is None else self.read_ahead
+        ahead = 0
+        chain: dict[str, int] = {}       # what is asked ahead now (older asks are forgotten)
+        nxt = self._successor(group)
+        while (nxt is not None and nxt != group and nxt not in chain
+               and (ahead < budget or not chain)):
+            n = self._advised.get(nxt)
+            if n is None:
+                try:
+                    entries = {k: self._entry(k) for k in self._groups[nxt]}
+                except Exception as exc:     # read ahead only: its own read raises
+                    _log.debug("aioswap: no read-ahead of %s: %s", nxt, exc)
+                    break
+                n = self._advise([nxt], entries, wait=False)
+            chain[nxt] = n
+            ahead += n
+            nxt = self._successor(nxt)
+        self._advised = chain
+
+    def _take(self, key: str) -> tuple[torch.Tensor, _Entry]:
+        group = self._group(key)
+        self._used(group)
         batch = self._ready.pop(key, None)
         if batch is None:
             self.stats.misses += 1
@@ -422,7 +817,9 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
                 self._prefetch_after(batch)
             self._finish(batch)
             entry, pos = batch.places[key]
-            t = self._tensor(batch, entry, pos)
+            assert batch.buf is not None or not entry.nbytes, \
+                "a batch's buffer is dropped only after its tensors"
+            t = _view(batch.buf, entry, pos)
             batch.left -= 1
             if batch.left <= 0:
                 batch.buf = None         # all handed out: the tensors own the memory now
@@ -455,7 +852,7 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         self.stats.mapped += 1
         if entry.nbytes == 0:
             return torch.empty(entry.shape, dtype=entry.dtype), entry
-        self._res.open(entry.path, self.stats)    # (again after close())
+        self._res.size(entry.path, self.stats)    # (opened again after close())
         fd = self._res.fd(entry.path)
         size = os.fstat(fd).st_size
         if size != self._res.sizes[entry.path]:      # a mapping past the end is SIGBUS
@@ -517,7 +914,7 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         return entry
 
     def _safetensors_entry(self, key: str, path: str, name: str, cast: str | None) -> _Entry:
-        self._res.open(path, self.stats)
+        self._res.size(path, self.stats)
         header = self._headers.get(path)
         if header is None:
             try:
@@ -554,8 +951,7 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         dtype = _dat_dtype(str(info["dtype"]))
         shape = tuple(int(s) for s in info["shape"])
         nbytes = math.prod(shape or (1,)) * dtype.itemsize    # a scalar is stored as (1,)
-        self._res.open(path, self.stats)
-        size = self._res.sizes[path]
+        size = self._res.size(path, self.stats)
         if size != nbytes:
             raise OffloadFileError(
                 f"{path!r} holds {size} bytes, but the offload index says {key!r} is "
@@ -638,19 +1034,9 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
             nxt = self._successor(got.groups[-1])
 
     def _read(self, groups: list[str], entries: dict[str, _Entry]) -> _Batch:
-        # extents: neighbouring tensors of one file in one aligned request
-        order = sorted((e.path, e.offset, k) for k, e in entries.items() if e.nbytes)
-        extents: list[tuple[str, int, int, list[str]]] = []     # path, start, end, keys
-        for path, offset, k in order:
-            e = entries[k]
-            if extents and extents[-1][0] == path and offset - extents[-1][2] <= _MERGE_GAP:
-                p, s, end, ks = extents[-1]
-                extents[-1] = (p, s, max(end, offset + e.nbytes), ks + [k])
-            else:
-                extents.append((path, offset // _ALIGN * _ALIGN, offset + e.nbytes, [k]))
         total = 0
         layout = []
-        for path, start, end, ks in extents:
+        for path, start, end, ks in _extents(entries):
             f = self._res.open(path, self.stats)
             n = min(round_up(end, _ALIGN), self._res.sizes[path]) - start
             layout.append((path, f, start, n, total, ks))
@@ -719,21 +1105,6 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
             batch.buf = None
             raise first
         batch.done = True
-
-    @staticmethod
-    def _tensor(batch: _Batch, entry: _Entry, pos: int) -> torch.Tensor:
-        n = entry.nbytes
-        if n == 0:
-            return torch.empty(entry.shape, dtype=entry.dtype)
-        assert batch.buf is not None, "a batch's buffer is dropped only after its tensors"
-        size = entry.dtype.itemsize
-        t = torch.frombuffer(batch.buf, dtype=torch.uint8, count=n, offset=pos)
-        if t.data_ptr() % size:                  # misaligned in the file: own memory
-            out = torch.empty(entry.shape, dtype=entry.dtype)
-            out.view(-1).view(torch.uint8).copy_(t)
-            return out
-        return torch.frombuffer(batch.buf, dtype=entry.dtype, count=n // size,
-                                offset=pos).view(entry.shape)
 
 
 # ----------------------------------------------------------------------------------- writes
@@ -817,6 +1188,7 @@ def _write_handle() -> AioHandle:
 
 _state_lock = threading.RLock()
 # every loader made (a Mapping is unhashable, so by id)
+_page_cache: Optional[bool] = None      # install()'s page_cache: loaders' default
 _loaders: weakref.WeakValueDictionary[int, AioswapWeightsLoader] = weakref.WeakValueDictionary()
 _stock: type | None = None
 _patched: dict[str, Any] = {}        # module name -> its binding before install
@@ -835,9 +1207,12 @@ def _rebind(old: Any, new: Any, attr: str = _NAME) -> list[str]:
     return done
 
 
-def install() -> None:
+def install(*, page_cache: Optional[bool] = None) -> None:
     """Make accelerate build :class:`AioswapWeightsLoader` wherever it builds its
     ``OffloadedWeightsLoader``. Idempotent.
+
+    ``page_cache`` is how the loaders built from now on read (their ``page_cache``): None
+    (default) chooses per loader by the memory there is; True or False forces it.
 
     Every imported module that bound the name to accelerate's class (``accelerate.utils``,
     ``accelerate.utils.offload``, ``accelerate.big_modeling``, and any other) gets aioswap's
@@ -858,8 +1233,9 @@ def install() -> None:
         One of the modules accelerate 1.x builds the loader from does not bind the name
         (named in the message); that path keeps the stock loader.
     """
-    global _stock
+    global _stock, _page_cache
     with _state_lock:
+        _page_cache = None if page_cache is None else bool(page_cache)
         if _stock is not None:
             return
         try:
@@ -903,8 +1279,9 @@ def uninstall() -> None:
     """Undo :func:`install` and close the handles and files of every loader made since.
     Idempotent. Models dispatched while it was installed keep their (now closed) loaders,
     which reopen their files when used again."""
-    global _stock, _writer
+    global _stock, _writer, _page_cache
     with _state_lock:
+        _page_cache = None
         if _stock is not None:
             _rebind(AioswapWeightsLoader, _stock)
             _stock = None
