@@ -123,6 +123,19 @@ def _timed_forward(model: Any, ids: torch.Tensor) -> tuple[float, float]:
     return time.perf_counter() - t0, float(_proc_io() - r0)
 
 
+def _loaders_of(model: Any) -> list[Any]:
+    """The weights maps (loaders) of the model's accelerate hooks, each once."""
+    found: dict[int, Any] = {}
+    for m in model.modules():
+        hook = getattr(m, "_hf_hook", None)
+        for h in getattr(hook, "hooks", [hook]):
+            wm = getattr(h, "weights_map", None)
+            wm = getattr(wm, "dataset", wm)             # a PrefixedDataset's mapping
+            if isinstance(wm, ia.AioswapWeightsLoader):
+                found[id(wm)] = wm
+    return list(found.values())
+
+
 def child(spec: dict[str, Any]) -> dict[str, float]:
     """One method's measurements (in a process of their own)."""
     from transformers import AutoModelForCausalLM
@@ -162,6 +175,9 @@ def child(spec: dict[str, Any]) -> dict[str, float]:
             model.generate(ids, max_new_tokens=spec["new_tokens"], do_sample=False,
                            min_new_tokens=spec["new_tokens"])
             out["cold_generate_s"] = time.perf_counter() - t0
+        if spec["method"] == "aioswap":         # which way its loaders read (1: page cache)
+            ways = {loader.through_page_cache for loader in _loaders_of(model)}
+            out["through_page_cache"] = float(ways == {True})
     # the peak of the forwards, not of from_pretrained (the same for both methods)
     ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # kB on Linux
     out["peak_rss_bytes"] = float(_status("VmHWM") if reset else ru)
@@ -410,8 +426,8 @@ def measure(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, A
                     group.remove()
                 for k, v in got.items():
                     rounds[method].setdefault("limited_" + k if k in (
-                        "peak_rss_bytes", "failed", "rss_before_forward") else k,
-                        []).append(v)
+                        "peak_rss_bytes", "failed", "rss_before_forward",
+                        "through_page_cache") else k, []).append(v)
         left = _drop_all(files)
         drive = drive_read_gbs(work, args.drive_size)
         writes: dict[str, list[float]] = {m: [] for m in METHODS}
@@ -464,6 +480,11 @@ def measure(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, A
         "more_ratios_stock_over_aioswap_time": extra,
         "cold_forward_read_gbs": cold_read_gbs,
         "targets": targets,
+        # 1: every aioswap child read through the page cache, 0: direct (median over rounds)
+        "aioswap_through_page_cache": {
+            case: (figures["aioswap"][k].median if k in figures["aioswap"] else math.nan)
+            for case, k in (("unlimited", "through_page_cache"),
+                            ("under the memory limit", "limited_through_page_cache"))},
         "loader_construction_s": {"keys": args.keys, **build,
                                   "ratio": ratio(build["stock"], build["aioswap"])},
     }
@@ -504,6 +525,10 @@ def print_report(report: dict[str, Any], args: argparse.Namespace, out: Any) -> 
              "times in seconds; the ratio is stock time / aioswap time",
              f"drive: one O_DIRECT read of {args.drive_size / 1e6:.0f} MB at "
              f"{report['drive_read_gbs']:.2f} GB/s"]
+    ways = report.get("aioswap_through_page_cache", {})
+    notes.append("aioswap read " + "; ".join(
+        f"{case}: {'through the page cache' if v == 1 else 'direct' if v == 0 else 'both ways'}"
+        for case, v in ways.items() if math.isfinite(v)))
     if lim["skipped"] is None:
         notes.append(f"memory limit {lim['limit_bytes'] / 1e6:.0f} MB (model "
                      f"{nbytes / 1e6:.0f} MB); limit hits stock {lim['failcnt']['stock']}, "
