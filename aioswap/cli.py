@@ -333,15 +333,50 @@ def _format_info(info: dict[str, Any]) -> str:
     lines.append("GPU              : " + gpu)
     if d.get("warning"):
         lines.append(f"warning          : {d['warning']}")
+    for i, r in enumerate(info.get("roots", [])):
+        dev = r["device"]
+        where = (f"{dev['name']}" + (f" (partition {dev['partition']})"
+                                     if dev.get("partition") else "")
+                 if dev.get("name") else f"no block device ({r['st_dev']})")
+        lines.append(f"{'roots' if i == 0 else '':17s}: {r['path']} on {where}, "
+                     f"{r['fs_type']}, {format_size(r['free_bytes'])} free, O_DIRECT "
+                     f"{'yes' if r['o_direct'] else 'no'}")
+    for paths in info.get("roots_sharing_a_device", []):
+        lines.append(f"warning          : {', '.join(paths)} are on one device: spreading data "
+                     f"over them does not add bandwidth")
     return "\n".join(lines)
 
 
+def _root_info(directory: str) -> dict[str, Any]:
+    """One root of several: its file system, free space, O_DIRECT and block device."""
+    usage = shutil.disk_usage(directory)
+    dev = os.stat(directory).st_dev
+    return {"path": directory, "fs_type": _fs_type(directory), "free_bytes": usage.free,
+            "st_dev": f"{os.major(dev)}:{os.minor(dev)}",
+            "o_direct": bool(_probe_direct(directory).get("o_direct")),
+            "device": _block_device(directory)}
+
+
+def _shared_devices(roots: list[dict[str, Any]]) -> list[list[str]]:
+    """Groups of roots on one block device (or one file system without one)."""
+    by: dict[str, list[str]] = {}
+    for r in roots:
+        d = r["device"]
+        key = (d["name"] if d.get("name") else "fs " + r["st_dev"])
+        by.setdefault(key, []).append(r["path"])
+    return [paths for paths in by.values() if len(paths) > 1]
+
+
 def cmd_info(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
-    if args.dir_pos is not None and args.dir is not None and args.dir_pos != args.dir:
-        raise UsageError(f"two directories given ({args.dir_pos!r} and --dir {args.dir!r}); "
-                         f"give one")
-    directory = _check_dir(args.dir_pos or args.dir or ".")
-    info = gather_info(directory)
+    if args.dir_pos is not None and args.dir is not None and args.dir_pos not in args.dir:
+        raise UsageError(f"two directories given ({args.dir_pos!r} and --dir "
+                         f"{args.dir[0]!r}); give them all with --dir")
+    dirs = list(dict.fromkeys(args.dir or [args.dir_pos or "."]))
+    dirs = [_check_dir(d) for d in dirs]
+    info = gather_info(dirs[0])
+    if len(dirs) > 1:
+        info["roots"] = [_root_info(d) for d in dirs]
+        info["roots_sharing_a_device"] = _shared_devices(info["roots"])
     out.write((json.dumps(info, indent=2) if args.json else _format_info(info)) + "\n")
     out.flush()
     return 0
@@ -908,7 +943,10 @@ def build_parser() -> argparse.ArgumentParser:
                         description="What this machine supports: kernel AIO, O_DIRECT and its "
                                     "alignment in DIR, the drive under DIR (/sys), memlock, "
                                     "cuFile and GPUs.")
-    pi.add_argument("--dir", default=None, help="directory to probe (default: .)")
+    pi.add_argument("--dir", action="append", default=None,
+                    help="directory to probe (default: .); give it again for every root of a "
+                         "striped or multi-root setup: each root's file system and block "
+                         "device are listed, and roots sharing a device are pointed out")
     pi.add_argument("dir_pos", nargs="?", default=None, metavar="DIR",
                     help="same as --dir (kept for older scripts)")
     pi.add_argument("--json", action="store_true", help="print JSON")

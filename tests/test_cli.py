@@ -813,6 +813,32 @@ def test_info_two_directories_is_an_error(disk: Path, tmp_path: Path) -> None:
     assert run_cli("info", disk, "--dir", disk).returncode == 0
 
 
+def test_info_several_roots(disk: Path, tmp_path: Path) -> None:
+    """``info --dir A --dir B``: every root's file system, device and O_DIRECT, and roots
+    that share a device named (issue 24); a root that is missing is refused before anything
+    is probed."""
+    a, b = disk / "root-a", disk / "root-b"
+    a.mkdir(exist_ok=True)
+    b.mkdir(exist_ok=True)
+    shm = Path("/dev/shm")
+    others = [shm] if shm.is_dir() and os.stat(shm).st_dev != os.stat(a).st_dev else []
+    roots = [a, b, *others]
+    done = run_cli("info", *[x for r in roots for x in ("--dir", r)], "--json")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert [r["path"] for r in info["roots"]] == [str(r) for r in roots]
+    st = [os.stat(r).st_dev for r in roots]
+    assert [r["st_dev"] for r in info["roots"]] == [f"{os.major(d)}:{os.minor(d)}" for d in st]
+    assert info["roots_sharing_a_device"] == [[str(a), str(b)]]
+    assert info["directory"]["path"] == str(a)
+    text = run_cli("info", "--dir", a, "--dir", b).stdout
+    assert f"roots            : {a} on " in text and f"                 : {b} on " in text
+    assert f"warning          : {a}, {b} are on one device" in text
+    one = json.loads(run_cli("info", "--dir", a, "--json").stdout)
+    assert "roots" not in one
+    assert_usage_error(run_cli("info", "--dir", a, "--dir", tmp_path / "missing"), "missing")
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_info_into_a_full_device(disk: Path) -> None:
     with open("/dev/full", "w") as full:
