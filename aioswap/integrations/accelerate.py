@@ -587,6 +587,7 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         self._group_key: dict[str, str] = {}
         self._next: dict[str, str] = {}                      # group -> the group used next
         self._last: str | None = None
+        self._seen: set[str] = set()                         # groups used so far
         self._ready: dict[str, _Batch] = {}                  # key -> its batch, not handed out
         self._arena = 0               # bytes of every batch buffer (set on first read)
         self._current: _Batch | None = None                  # the batch _take serves from
@@ -698,6 +699,7 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         if self._last is not None and self._last != group:
             self._next[self._last] = group
         self._last = group
+        self._seen.add(group)
 
     def _take_cached(self, key: str) -> tuple[torch.Tensor, _Entry]:
         group = self._group(key)
@@ -783,8 +785,15 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         ahead = 0
         chain: dict[str, int] = {}       # what is asked ahead now (older asks are forgotten)
         nxt = self._successor(group)
-        while (nxt is not None and nxt != group and nxt not in chain
-               and (ahead < budget or not chain)):
+        # Past the last layer of a first forward nothing is recorded yet: what no forward has
+        # used so far (the final norm, the head) comes next, in the index's order.
+        rest: Iterator[str] = iter(g for g in self._groups if g not in self._seen)
+        while True:
+            if nxt is None:
+                nxt = next((g for g in rest if g not in chain and g != group), None)
+            if not (nxt is not None and nxt != group and nxt not in chain
+                    and (ahead < budget or not chain)):
+                break
             n = self._advised.get(nxt)
             if n is None:
                 try:
