@@ -136,15 +136,17 @@ class OffloadFileError(AioswapError, ValueError):
 
 @dataclass
 class LoaderStats:
-    """What an :class:`AioswapWeightsLoader` has done so far."""
+    """What an :class:`AioswapWeightsLoader` has done so far (direct / through the page
+    cache: a batch is a batched submission / a group mapped, a request an O_DIRECT request
+    / a mapped extent)."""
 
-    batches: int = 0          # batched submissions
-    requests: int = 0         # read requests in them
-    bytes_read: int = 0       # bytes read into batches (from the drive or the page cache)
-    cached_bytes: int = 0     # of those, copied from the page cache (no direct request)
+    batches: int = 0          # batched submissions / groups mapped
+    requests: int = 0         # read requests in them / extents mapped
+    bytes_read: int = 0       # bytes read into batches / bytes mapped and faulted in
+    cached_bytes: int = 0     # direct: of those, copied from the page cache
     mapped: int = 0           # sparse weights handed out as file mappings
-    hits: int = 0             # tensors served from a batch read ahead
-    misses: int = 0           # tensors whose batch was read on demand
+    hits: int = 0             # tensors served from a batch (or group) already there
+    misses: int = 0           # tensors whose batch was read (or group mapped) on demand
     files_opened: int = 0
     advised_bytes: int = 0    # bytes asked into the page cache ahead of use (page-cache way)
 
