@@ -36,7 +36,7 @@ Through the page cache:
   stock loader maps shards; the mapping is faulted in with one ``MADV_POPULATE_READ`` call
   (the GIL released): one wait for the extent instead of a page fault per 4 KiB.
 * Before a group is mapped, the kernel is asked to read it and the groups that follow it,
-  up to ``read_ahead`` bytes (256 MiB by default), into the page cache
+  up to ``read_ahead`` bytes (1 GiB by default), into the page cache
   (``posix_fadvise(WILLNEED)``, the following ones on a background thread): the drive works
   through them in large requests, queued deep, while this group computes.
 * A tensor keeps its mapping alive; the mapping goes with the last tensor, and its pages
@@ -323,10 +323,17 @@ class _Advisor:
         self._jobs: deque[tuple[int, int, int, int]] = deque()
         self._pid = -1
 
+    def after_fork(self) -> None:
+        """In a forked child: a fresh lock, no thread, and the parent's queued descriptors
+        (inherited duplicates) closed."""
+        self._cv = threading.Condition()
+        while self._jobs:
+            os.close(self._jobs.popleft()[0])
+        self._pid = -1
+
     def put(self, jobs: list[tuple[int, int, int, int]]) -> None:
         with self._cv:
-            if self._pid != os.getpid():             # first use, or a forked child
-                self._jobs.clear()
+            if self._pid != os.getpid():             # first use (a forked child: after_fork)
                 self._pid = os.getpid()
                 threading.Thread(target=self._run, name="aioswap-readahead",
                                  daemon=True).start()
@@ -346,6 +353,7 @@ class _Advisor:
 
 
 _advisor = _Advisor()
+os.register_at_fork(after_in_child=_advisor.after_fork)
 
 
 def _extents(entries: Mapping[str, _Entry]) -> list[tuple[str, int, int, list[str]]]:
@@ -523,7 +531,7 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
     read_ahead : int, optional
         Direct: bytes of batches read ahead of the one in use (whole batch buffers, at least
         one); default one batch. Through the page cache: bytes of the following groups asked
-        into the cache (at least one group); default 256 MiB.
+        into the cache (at least one group); default 1 GiB.
     sparse : callable, optional
         ``sparse(key)`` is true for weights the model uses sparsely (an embedding looks up
         the rows of its tokens): they are handed out as private file mappings, as the stock
