@@ -19,7 +19,6 @@ The parent side is :func:`run_cold` (used by ``bench_swap.py`` and ``bench_safet
 """
 from __future__ import annotations
 
-import gc
 import json
 import os
 import resource
@@ -28,6 +27,8 @@ import sys
 import time
 import zlib
 from typing import Any, Callable
+
+from _common import freed
 
 METHODS = ("aioswap-swap", "aioswap-safetensors", "safetensors", "torch", "direct")
 
@@ -99,14 +100,8 @@ def child(method: str, path: str) -> dict[str, Any]:
     t1 = time.perf_counter()
     nbytes = sum(t.numel() * t.element_size() for t in got.values())
     d = digest(got)
-    t2 = time.perf_counter()
-    # freeing: dropping the last references; a full collection is charged only when it
-    # finds garbage (see _common.freed)
-    got.clear()
-    t3 = time.perf_counter()
-    if gc.collect():
-        t3 = time.perf_counter()
-    return {"method": method, "load_s": t1 - t0, "free_s": t3 - t2, "total_s": t1 - t0 + t3 - t2,
+    free_s = freed(got)
+    return {"method": method, "load_s": t1 - t0, "free_s": free_s, "total_s": t1 - t0 + free_s,
             "bytes": nbytes, "digest": d,
             "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
 

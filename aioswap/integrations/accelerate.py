@@ -98,6 +98,7 @@ from aioswap._util import first_error, round_up
 from aioswap.errors import AioswapError, AioswapWarning
 from aioswap.handle import AioFile, AioHandle, IOFuture
 from aioswap.safetensors import Header, SafetensorsError, read_header
+from aioswap.tune.measure import cgroup_memory_limit, read_text
 
 __all__ = [
     "AioswapWeightsLoader",
@@ -221,56 +222,15 @@ def _group_of(key: str) -> str:
     return key.rpartition(".")[0]
 
 
-def _cgroup_memory_limit() -> int | None:
-    """The smallest memory limit of this process's cgroup and its ancestors (cgroup v1
-    ``memory.limit_in_bytes``, v2 ``memory.max``), or None."""
-    try:
-        with open("/proc/self/cgroup", encoding="ascii") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    best: int | None = None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        if controllers == "":
-            name = "memory.max"
-            base = ("/sys/fs/cgroup" if os.path.exists("/sys/fs/cgroup/cgroup.controllers")
-                    else "/sys/fs/cgroup/unified")
-        elif "memory" in controllers.split(","):
-            base, name = "/sys/fs/cgroup/memory", "memory.limit_in_bytes"
-        else:
-            continue
-        while True:
-            try:
-                with open(os.path.join(base + path.rstrip("/"), name), encoding="ascii") as f:
-                    value = f.read().strip()
-            except (OSError, ValueError):
-                value = ""
-            if value.isdigit():
-                best = int(value) if best is None else min(best, int(value))
-            if path in ("/", ""):
-                break
-            path = os.path.dirname(path)
-    return best
-
-
 def memory_for_cache() -> int:
     """Bytes of memory the page cache has for this process: ``MemAvailable`` of
     ``/proc/meminfo``, capped by its cgroup's memory limit (what decides the default way of
     reading of :class:`AioswapWeightsLoader`)."""
     avail = 0
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
-    limit = _cgroup_memory_limit()
+    for line in (read_text("/proc/meminfo") or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            avail = int(line.split()[1]) * 1024
+    limit = cgroup_memory_limit()
     return avail if limit is None else min(avail, limit)
 
 
@@ -420,13 +380,14 @@ class _Resources:
             return fd
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         stats.files_opened += 1
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        size = st.st_size
         if self.sizes.setdefault(path, size) != size:
             os.close(fd)
             raise OffloadFileError(f"{path!r} changed size while in use ({self.sizes[path]} "
                                    f"bytes when first opened, {size} now)", path=path)
         self.mapfds[path] = fd
-        self.devices[path] = os.fstat(fd).st_dev
+        self.devices[path] = st.st_dev
         while len(self.mapfds) > self.max_open_files:    # one .dat file per weight: cap fds
             os.close(self.mapfds.popitem(last=False)[1])
         return fd
@@ -598,6 +559,7 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         self._next: dict[str, str] = {}                      # group -> the group used next
         self._last: str | None = None
         self._seen: set[str] = set()                         # groups used so far
+        self._peeked: dict[str, Header] = {}   # headers read to choose the way, not checked yet
         self._ready: dict[str, _Batch] = {}                  # key -> its batch, not handed out
         self._arena = 0               # bytes of every batch buffer (set on first read)
         self._current: _Batch | None = None                  # the batch _take serves from
@@ -695,7 +657,9 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
                 continue
         for path, names in by_file.items():
             try:
-                header = self._headers.get(path) or read_header(path)
+                header = self._headers.get(path) or self._peeked.get(path)
+                if header is None:
+                    header = self._peeked[path] = read_header(path)
                 total += sum(header.tensors[n].nbytes for n in names if n in header.tensors)
             except Exception:
                 try:
@@ -730,7 +694,8 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         ``_views``."""
         assert self._groups is not None
         entries = {k: self._entry(k) for k in self._groups[group]}
-        self._advise([group], entries, wait=True)
+        if group not in self._advised:           # (asked for already while the last computed)
+            self._advise(entries, wait=True)
         self._advise_after(group)
         maps: list[tuple[Any, int, int, list[str]]] = []
         for path, start, end, ks in _extents(entries):
@@ -768,8 +733,8 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
             for k in self._groups[old]:
                 self._views.pop(k, None)
 
-    def _advise(self, groups: list[str], entries: Mapping[str, _Entry], wait: bool) -> int:
-        """Ask the kernel to read ``entries`` (of ``groups``) into the page cache; returns
+    def _advise(self, entries: Mapping[str, _Entry], wait: bool) -> int:
+        """Ask the kernel to read ``entries`` into the page cache; returns
         the bytes asked for. ``wait``: in this thread (the reads are submitted on return),
         else on the read-ahead thread."""
         jobs = []
@@ -811,7 +776,7 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
                 except Exception as exc:     # read ahead only: its own read raises
                     _log.debug("aioswap: no read-ahead of %s: %s", nxt, exc)
                     break
-                n = self._advise([nxt], entries, wait=False)
+                n = self._advise(entries, wait=False)
             chain[nxt] = n
             ahead += n
             nxt = self._successor(nxt)
@@ -937,7 +902,9 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         header = self._headers.get(path)
         if header is None:
             try:
-                header = read_header(path)   # the whole header; a truncated file fails
+                # the whole header (read already when the way of reading was chosen); a
+                # truncated file fails
+                header = self._peeked.pop(path, None) or read_header(path)
             except SafetensorsError as exc:
                 raise OffloadFileError(f"offloaded weight {key!r}: {exc}", path=path) from exc
             if self._res.sizes[path] != header.data_offset + header.data_bytes:

@@ -25,8 +25,8 @@ from aioswap.tune.results import PathArg, Result
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SharedBuffers", "cap_ipc_lock", "check_environment", "drop_cache", "memory_available",
-           "read_text", "run_point", "scratch_files", "split"]
+__all__ = ["SharedBuffers", "cap_ipc_lock", "cgroup_memory_limit", "check_environment",
+           "drop_cache", "memory_available", "read_text", "run_point", "scratch_files", "split"]
 
 
 def drop_cache(path: str) -> None:
@@ -47,6 +47,33 @@ def read_text(path: str) -> str | None:
             return f.read().strip()
     except OSError:
         return None
+
+
+def cgroup_memory_limit() -> int | None:
+    """The smallest memory limit of this process's cgroup and its ancestors (cgroup v1
+    ``memory.limit_in_bytes``, v2 ``memory.max``), or None."""
+    best: int | None = None
+    for line in (read_text("/proc/self/cgroup") or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            name = "memory.max"
+            base = ("/sys/fs/cgroup" if os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+                    else "/sys/fs/cgroup/unified")
+        elif "memory" in controllers.split(","):
+            base, name = "/sys/fs/cgroup/memory", "memory.limit_in_bytes"
+        else:
+            continue
+        while True:
+            value = (read_text(os.path.join(base + path.rstrip("/"), name)) or "").strip()
+            if value.isdigit():
+                best = int(value) if best is None else min(best, int(value))
+            if path in ("/", ""):
+                break
+            path = os.path.dirname(path)
+    return best
 
 
 def memory_available() -> tuple[int | None, str]:
