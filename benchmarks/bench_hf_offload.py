@@ -14,7 +14,8 @@ method's alone); the rounds alternate which method goes first. Per round and met
 * **memory limit**: the child runs in a cgroup v1 memory group (``memory.limit_in_bytes``
   = what the child holds before its first forward + ``--mem-headroom`` x the model; below
   the model size at real sizes) and times ``--limited-forwards`` forwards after a drop; the
-  figure is the median of those after the first (stock's page cache thrashes). Needs root
+  figure is the median of those after the first (stock's page cache thrashes), then an
+  8-token ``generate`` after another drop. Needs root
   and ``/sys/fs/cgroup/memory``; skipped with the reason printed otherwise;
 * bytes read from storage per forward (the child's ``/proc/self/io`` ``read_bytes``) and the
   child's peak RSS from its first forward on (``VmHWM`` reset through ``/proc/self/clear_refs``
@@ -123,6 +124,12 @@ def _timed_forward(model: Any, ids: torch.Tensor) -> tuple[float, float]:
     return time.perf_counter() - t0, float(_proc_io() - r0)
 
 
+def _timed_generate(model: Any, ids: torch.Tensor, tokens: int) -> float:
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens)
+    return time.perf_counter() - t0
+
+
 def _loaders_of(model: Any) -> list[Any]:
     """The weights maps (loaders) of the model's accelerate hooks, each once."""
     found: dict[int, Any] = {}
@@ -164,6 +171,8 @@ def child(spec: dict[str, Any]) -> dict[str, float]:
             out["limited_forward_s"] = sorted(steady)[len(steady) // 2]
             out["limited_forward_read_bytes"] = sorted(reads[1:] or reads)[len(steady) // 2]
             out["limited_first_forward_s"] = times[0]
+            _drop_all(files)
+            out["limited_generate_s"] = _timed_generate(model, ids, spec["new_tokens"])
         else:
             out["cold_forward_s"], out["cold_forward_read_bytes"] = _timed_forward(model, ids)
             out["second_forward_s"], out["second_forward_read_bytes"] = \
@@ -171,10 +180,7 @@ def child(spec: dict[str, Any]) -> dict[str, float]:
             _cache_all(files)
             out["warm_forward_s"], out["warm_forward_read_bytes"] = _timed_forward(model, ids)
             _drop_all(files)
-            t0 = time.perf_counter()
-            model.generate(ids, max_new_tokens=spec["new_tokens"], do_sample=False,
-                           min_new_tokens=spec["new_tokens"])
-            out["cold_generate_s"] = time.perf_counter() - t0
+            out["cold_generate_s"] = _timed_generate(model, ids, spec["new_tokens"])
         if spec["method"] == "aioswap":         # which way its loaders read (1: page cache)
             ways = {loader.through_page_cache for loader in _loaders_of(model)}
             out["through_page_cache"] = float(ways == {True})
@@ -449,7 +455,8 @@ def measure(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, A
     ratios = {k: ratio(med("stock", k), med("aioswap", k))
               for k in ("cold_forward_s", "cold_generate_s", "warm_forward_s")}
     extra = {k: ratio(med("stock", k), med("aioswap", k))
-             for k in ("second_forward_s", "limited_forward_s", "offload_state_dict_s")}
+             for k in ("second_forward_s", "limited_forward_s", "limited_generate_s",
+                       "offload_state_dict_s")}
     cold_read_gbs = {m: med(m, "cold_forward_read_bytes") / med(m, "cold_forward_s") / 1e9
                      for m in METHODS}
     rss_over = (med("aioswap", "peak_rss_bytes") - med("stock", "peak_rss_bytes")) / layer_bytes
@@ -515,7 +522,9 @@ def print_report(report: dict[str, Any], args: argparse.Namespace, out: Any) -> 
     if lim["skipped"] is None:
         rows += [row("forward under memory limit s", "limited_forward_s"),
                  row("  MB read", "limited_forward_read_bytes", 1e6, False),
-                 row("  peak RSS MB", "limited_peak_rss_bytes", 1e6, False)]
+                 row("  peak RSS MB", "limited_peak_rss_bytes", 1e6, False),
+                 row(f"{args.new_tokens}-token generate under the limit s",
+                     "limited_generate_s")]
     rows += [row("offload_state_dict (write) s", "offload_state_dict_s"),
              [f"loader for {args.keys} keys s", build["stock"], build["aioswap"],
               build["ratio"]]]
