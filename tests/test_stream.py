@@ -410,6 +410,9 @@ def test_exception_in_step_drains_and_releases(stored: Any) -> None:
 
 _SIGINT_CHILD = """
     import gc, json, os, signal, sys, threading, time, torch
+    # Ctrl-C raises here as in a terminal, also when this was started with SIGINT ignored
+    # (a job started with & by a shell without job control)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, sys.argv[2])
     from test_stream import make_state, step_bucket, tags_of, stream_threads
     import aioswap
