@@ -694,8 +694,8 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         ``_views``."""
         assert self._groups is not None
         entries = {k: self._entry(k) for k in self._groups[group]}
-        if group not in self._advised:           # (asked for already while the last computed)
-            self._advise(entries, wait=True)
+        # again even when read ahead: the cache may have dropped it since (a no-op if not)
+        self._advise(entries, wait=True)
         self._advise_after(group)
         maps: list[tuple[Any, int, int, list[str]]] = []
         for path, start, end, ks in _extents(entries):
