@@ -728,6 +728,26 @@ cdef bint _populate_known() noexcept:
 _populate = _populate_known()
 
 
+cdef extern from "Python.h":
+    object PyMemoryView_FromMemory(char* mem, Py_ssize_t size, int flags)
+
+
+def address_view(size_t address, Py_ssize_t nbytes):
+    """A read-only ``memoryview`` of ``nbytes`` bytes at ``address``, without a copy.
+
+    The caller keeps the memory alive and unchanged in size while the view is used (the
+    view holds no reference to it). Unlike a ``ctypes`` array of that size, it makes no new
+    type (each of those is a reference cycle for the garbage collector).
+    """
+    if nbytes < 0:
+        raise ValueError(f"address_view needs a size >= 0, got {nbytes}")
+    if nbytes == 0:
+        return memoryview(b"")
+    if address == 0:
+        raise ValueError(f"address_view of {nbytes} bytes at address 0")
+    return PyMemoryView_FromMemory(<char*>address, nbytes, 0x100)     # PyBUF_READ
+
+
 def populate_read(object buf):
     """Fault in every page of ``buf`` (a mapping's buffer) for reading, in one call with the
     GIL released: for a file mapping, wait until its bytes are in the page cache (reading

@@ -7,12 +7,12 @@ recorded is available, or verification is off).
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import importlib
 import zlib
 from typing import TYPE_CHECKING, Any, Protocol
 
+from aioswap import _aio
 from aioswap.errors import SwapError
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def host_bytes(t: torch.Tensor, nbytes: int | None = None) -> memoryview:
     n = t.numel() * t.element_size() if nbytes is None else nbytes
     if n == 0:
         return memoryview(b"")
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+    return _aio.address_view(t.data_ptr(), n)
 
 
 def digest(t: torch.Tensor, algo: str) -> str:

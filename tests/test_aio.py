@@ -1168,3 +1168,31 @@ def test_bench_engine_smoke(tmp_dir):
     proc = subprocess.run([sys.executable, str(BENCH), "--size", "3X"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "size" in proc.stderr
+
+
+def test_address_view_reads_the_bytes_without_a_new_type() -> None:
+    """``address_view``: the bytes at an address, read-only, and no garbage cycle per call
+    (a ``ctypes`` array type per size was one, and it made every checksummed load pay a
+    full collection)."""
+    data = np.random.default_rng(3).integers(0, 256, 10_001, dtype=np.uint8)
+    addr = data.ctypes.data
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        views = [_aio.address_view(addr + k, n) for k, n in ((0, 10_001), (1, 9_999),
+                                                            (4095, 3), (77, 1))]
+        assert [bytes(v) for v in views] == [data.tobytes()[k:k + n] for k, n in
+                                             ((0, 10_001), (1, 9_999), (4095, 3), (77, 1))]
+        assert all(v.readonly and v.format == "B" for v in views)
+        with pytest.raises(TypeError):
+            views[0][0] = 1
+        del views
+        assert gc.collect() == 0
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert bytes(_aio.address_view(addr, 0)) == b""
+    with pytest.raises(ValueError, match="-1"):
+        _aio.address_view(addr, -1)
+    with pytest.raises(ValueError, match="address 0"):
+        _aio.address_view(0, 8)

@@ -791,3 +791,36 @@ def test_bench_swap_smoke(tmp_dir: Path) -> None:
                                       if k.startswith("cold")]
     assert res["ratios"]["cold load vs torch"] > 0
     assert os.listdir(tmp_dir) == []              # the benchmark cleans up after itself
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
+def test_loads_leave_no_garbage_cycles(tmp_dir: Path, verify: bool) -> None:
+    """A load frees by reference counting alone: no reference cycle is left for the
+    collector (each one makes a program pay for full collections; checksumming through a
+    ctypes array type per tensor left one per size)."""
+    import gc
+
+    import aioswap.safetensors as ast
+    sd = _mixed_state_dict(40)
+    snap = _snapshot(sd)
+    with TensorSwapper(tmp_dir / "s") as sw:
+        sw.swap_out_state_dict("", sd)
+        ast.save_file({k: v.contiguous() for k, v in sd.items() if not v.is_complex()},
+                      tmp_dir / "m.safetensors")
+        st_snap = {k: v for k, v in snap.items() if not v[2].is_complex}
+        for load, want in ((lambda: sw.swap_in_state_dict("", verify=verify), snap),
+                           (lambda: ast.load_file(tmp_dir / "m.safetensors"), st_snap)):
+            load()                              # first use: lazy imports and caches
+            gc.collect()
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            try:
+                got = load()
+                assert set(got) == set(want)
+                _check(want, {k: got[k] for k in want})
+                del got
+                found = gc.collect()
+                kinds = sorted({type(o).__qualname__ for o in gc.garbage})
+            finally:
+                gc.set_debug(0)
+                gc.garbage.clear()
+            assert found == 0, kinds
