@@ -63,6 +63,7 @@ from torch.futures import Future
 
 from aioswap import pinned
 from aioswap._aio import DEFAULT_ALIGNMENT as _ALIGN
+from aioswap._files import AioFile
 from aioswap._util import flat_bytes, fsync_dir
 from aioswap.errors import ShortReadError
 from aioswap.handle import AioHandle
@@ -441,22 +442,21 @@ class AioWriter(FileSystemWriter):
         sizes = [fp.close() for fp in files]
         glue_bytes = sum(len(seg) for fp in files for _, seg in fp.segments)
         glue = pinned.empty(max(glue_bytes, 1), torch.uint8, strict=False)
-        fds: list[int] = []
+        fds: list[AioFile] = []
         with _handles.borrow(self._handle) as h:
             try:
                 at = 0
                 for fp, size in zip(files, sizes):
-                    fd = os.open(fp.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                                 0o600)
-                    fds.append(fd)
-                    os.ftruncate(fd, size)
+                    f = h.open(fp.path, "w")        # 0600, O_DIRECT where allowed
+                    fds.append(f)
+                    os.ftruncate(f.fileno(), size)
                     for off, seg in fp.segments:
                         view = glue[at:at + len(seg)]
                         view.copy_(torch.frombuffer(seg, dtype=torch.uint8))
-                        h.pwrite(view, fd, off, async_op=True)
+                        f.pwrite(view, off, async_op=True)
                         at += len(seg)
                     for off, flat, n in fp.data:
-                        h.pwrite(flat, fd, off, nbytes=n, async_op=True)
+                        f.pwrite(flat, off, nbytes=n, async_op=True)
                 h.wait()
             except BaseException:
                 _drain(h)           # no buffer is released while the kernel may read it
@@ -464,11 +464,11 @@ class AioWriter(FileSystemWriter):
             finally:
                 try:
                     if self.sync_files:
-                        for fd in fds:
-                            os.fsync(fd)
+                        for f in fds:
+                            f.fsync()
                 finally:
-                    for fd in fds:
-                        os.close(fd)
+                    for f in fds:
+                        f.close()
 
     # -- commit -----------------------------------------------------------------------------
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -648,25 +648,25 @@ class AioReader(FileSystemReader):
                 direct.append(req)
         if stock:
             super().read_data(dataclasses.replace(plan, items=stock), planner).wait()
-        fds: dict[str, tuple[int, int]] = {}
+        fds: dict[str, tuple[AioFile, int]] = {}
         try:
             with _handles.borrow(self._handle) as h:
                 self._read_tensors(h, direct, planner, fds)
                 self._read_blobs(h, blobs, planner, fds)
         finally:
-            for fd, _ in fds.values():
-                os.close(fd)
+            for f, _ in fds.values():
+                f.close()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _fd(self, fds: dict[str, tuple[int, int]], relative_path: str, offset: int,
-            nbytes: int, what: str) -> int:
-        """The fd of a data file, opened once; refuses a request past its end."""
+    def _fd(self, h: AioHandle, fds: dict[str, tuple[AioFile, int]], relative_path: str,
+            offset: int, nbytes: int, what: str) -> AioFile:
+        """A data file, opened once through ``h``; refuses a request past its end."""
         entry = fds.get(relative_path)
         if entry is None:
-            fd = os.open(Path(self.path) / relative_path, os.O_RDONLY | os.O_CLOEXEC)
-            entry = fds[relative_path] = (fd, os.fstat(fd).st_size)
+            f = h.open(Path(self.path) / relative_path, "r")
+            entry = fds[relative_path] = (f, f.size())
         fd, size = entry
         if offset + nbytes > size:
             path = str(Path(self.path) / relative_path)
@@ -677,7 +677,7 @@ class AioReader(FileSystemReader):
         return fd
 
     def _read_tensors(self, h: AioHandle, reqs: list[ReadItem], planner: LoadPlanner,
-                      fds: dict[str, tuple[int, int]]) -> None:
+                      fds: dict[str, tuple[AioFile, int]]) -> None:
         batch: list[_Pending] = []
         held = 0
         for req in reqs:
@@ -708,15 +708,15 @@ class AioReader(FileSystemReader):
             if nbytes == 0:
                 batch.append(_Pending(req, target, None, []))
                 continue
-            fd = self._fd(fds, info.relative_path, start, nbytes, req.storage_index.fqn)
+            fd = self._fd(h, fds, info.relative_path, start, nbytes, req.storage_index.fqn)
             if (rest_full and target.dtype == dtype and target.device.type == "cpu"
                     and target.is_contiguous()):
-                h.pread(target, fd, start, nbytes=nbytes, async_op=True)
+                fd.pread(target, start, nbytes=nbytes, async_op=True)
                 batch.append(_Pending(req, target, None, []))
             else:
                 shape = (nrows, *sizes[1:]) if sizes else ()
                 staged = pinned.empty(shape, dtype, strict=False)
-                h.pread(staged, fd, start, nbytes=nbytes, async_op=True)
+                fd.pread(staged, start, nbytes=nbytes, async_op=True)
                 narrow = [(d, o, n) for d, (o, n) in enumerate(zip(offsets, lengths)) if d]
                 batch.append(_Pending(req, target, staged, narrow))
                 held += nbytes
@@ -741,7 +741,7 @@ class AioReader(FileSystemReader):
             planner.commit_tensor(p.req, p.target)
 
     def _read_blobs(self, h: AioHandle, reqs: list[ReadItem], planner: LoadPlanner,
-                    fds: dict[str, tuple[int, int]]) -> None:
+                    fds: dict[str, tuple[AioFile, int]]) -> None:
         """Bytes items and tensors of stock checkpoints: read each blob whole, then decode."""
         i = 0
         while i < len(reqs):
@@ -755,9 +755,9 @@ class AioReader(FileSystemReader):
                 if key not in blobs:
                     buf = bytearray(info.length)
                     if info.length:
-                        fd = self._fd(fds, info.relative_path, info.offset, info.length,
+                        fd = self._fd(h, fds, info.relative_path, info.offset, info.length,
                                       req.storage_index.fqn)
-                        h.pread(buf, fd, info.offset, async_op=True)
+                        fd.pread(buf, info.offset, async_op=True)
                     blobs[key] = buf
                     held += info.length
                 group.append(req)

@@ -56,6 +56,7 @@ import torch
 from aioswap import _scratch as _tmpfiles
 from aioswap import pinned
 from aioswap._aio import DEFAULT_ALIGNMENT as _ALIGN
+from aioswap._files import AioFile
 from aioswap._units import shape_fits
 from aioswap._util import flat_bytes, fsync_dir, wait_all
 from aioswap.errors import AioswapError
@@ -502,6 +503,12 @@ def load_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
     try:
         header = _read_header_fd(fd, path)
         h = shared_handle() if handle is None else handle
+        file = h.adopt(fd)                  # the handle's own file from here on
+        fd = -1
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    try:
         types = {name: _dtype_of(info, path) for name, info in header.tensors.items()}
         groups = _groups(header, header.data_offset + header.data_bytes,
                          _FIRST_GROUP_BYTES, _GROUP_BYTES)
@@ -540,7 +547,7 @@ def load_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
                 else:
                     g.buf = np.empty(g.nbytes, dtype=np.uint8).data
                 target = torch.frombuffer(g.buf, dtype=torch.uint8)
-                g.future = h.pread(target, fd, g.file_start, async_op=True)
+                g.future = file.pread(target, g.file_start, async_op=True)
                 futures.append(g.future)
                 pending.append(g)
                 inflight += g.nbytes
@@ -554,7 +561,7 @@ def load_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
                 out[name] = torch.empty(shape, dtype=dtype, device=dev)
         return {name: out[name] for name in header.tensors}
     finally:
-        os.close(fd)
+        file.close()
 
 
 def load(data: bytes) -> dict[str, torch.Tensor]:
@@ -716,21 +723,25 @@ def save_file(tensors: Mapping[str, torch.Tensor], filename: PathLike,
     _tmpfiles.remove_stale(directory, stem, ".tmp")       # left by a killed save
     tmp = os.path.join(directory, f"{stem}{os.getpid()}-{secrets.token_hex(6)}.tmp")
     fd, named = _open_tmp(directory, tmp, mode)
+    file: AioFile | None = None
     done = False
     try:
         h = shared_handle() if handle is None else handle
-        _write_pieces(h, fd, pieces, total)
-        os.fsync(fd)
-        if not named:   # an O_TMPFILE file gets a name only now, for the rename
-            os.link(f"/proc/self/fd/{fd}", tmp, follow_symlinks=True)
-        os.close(fd)
+        file = h.adopt(fd)                  # the handle's own file from here on
         fd = -1
+        _write_pieces(file, pieces, total)
+        file.fsync()
+        if not named:   # an O_TMPFILE file gets a name only now, for the rename
+            os.link(f"/proc/self/fd/{file.fileno()}", tmp, follow_symlinks=True)
+        file.close()
         os.replace(tmp, path)
         done = True
         fsync_dir(directory)
     finally:
         if fd >= 0:
             os.close(fd)
+        if file is not None:
+            file.close()
         if not done:
             try:
                 os.unlink(tmp)
@@ -776,7 +787,7 @@ def _open_tmp(directory: str, tmp: str, mode: int) -> tuple[int, bool]:
 _TMPFILE_WORKS: dict[int, bool] = {}
 
 
-def _write_pieces(h: AioHandle, fd: int, pieces: list[_Piece], total: int) -> None:
+def _write_pieces(file: AioFile, pieces: list[_Piece], total: int) -> None:
     """Stage ``pieces`` through a ring of aligned slots; every slot is one pwrite."""
     slot = min(_SLOT_BYTES, -(-total // _ALIGN) * _ALIGN)
     nslots = min(_SLOTS, -(-total // slot))
@@ -805,7 +816,7 @@ def _write_pieces(h: AioHandle, fd: int, pieces: list[_Piece], total: int) -> No
                     src = flat[j] = flat_bytes(p.source)
                 dst[a - lo:b - lo].copy_(src[a - p.start:b - p.start])
                 j += 1
-            busy[s] = h.pwrite(dst, fd, lo, async_op=True)
+            busy[s] = file.pwrite(dst, lo, async_op=True)
             futures.append(busy[s])
     finally:
         concurrent.futures.wait([f for f in futures])
@@ -825,17 +836,14 @@ class SafeOpen:
                              f"tensors (framework='pt')")
         self._path = os.fspath(filename)
         self._device = _device(device)
-        self._fd = -1
-        self._handle = handle
+        self._file: AioFile | None = None
         fd = _open_data(self._path)
         try:
             self._header = _read_header_fd(fd, self._path)
+            self._file = (shared_handle() if handle is None else handle).adopt(fd)
         except BaseException:
             os.close(fd)
             raise
-        self._fd = fd
-        if self._handle is None:
-            self._handle = shared_handle()
 
     @property
     def header(self) -> Header:
@@ -843,7 +851,7 @@ class SafeOpen:
 
     @property
     def closed(self) -> bool:
-        return self._fd < 0
+        return self._file is None
 
     def keys(self) -> list[str]:
         """Tensor names, sorted (as ``safetensors`` lists them)."""
@@ -870,7 +878,8 @@ class SafeOpen:
         ValueError
             The file is closed.
         """
-        if self._fd < 0:
+        file = self._file
+        if file is None:
             raise ValueError(f"{self._path!r} is closed")
         try:
             info = self._header.tensors[name]
@@ -879,17 +888,14 @@ class SafeOpen:
         dtype, shape = _dtype_of(info, self._path)
         t = torch.empty(shape, dtype=dtype)
         if info.nbytes:
-            assert self._handle is not None
-            self._handle.pread(t.view(-1).view(torch.uint8), self._fd,
-                               self._header.data_offset + info.begin)
+            file.pread(t.view(-1).view(torch.uint8), self._header.data_offset + info.begin)
         return t if self._device.type == "cpu" else t.to(self._device)
 
     def close(self) -> None:
         """Close the file. Idempotent."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        self._handle = None
+        file, self._file = self._file, None
+        if file is not None:
+            file.close()
 
     def __enter__(self) -> SafeOpen:
         return self

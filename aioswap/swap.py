@@ -110,6 +110,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union
 from aioswap import _checksum, _tree
 from aioswap._aio import DEFAULT_ALIGNMENT
 from aioswap._claims import NameClaims, Released, Releases, guard, storage_key, unguard
+from aioswap._files import AioFile
 from aioswap._manifest import (LOCK_NAME, MANIFEST_NAME, Change, Entry, Manifest,
                                SwapDirectory, Tree)
 from aioswap._util import round_up, wait_all
@@ -308,7 +309,7 @@ class _ReadPlan:
 class _ReadJob:
     """A planned batch of reads: call it once to run it, or ``cancel`` it."""
 
-    def __init__(self, sw: TensorSwapper, plans: list[_ReadPlan], fds: dict[str, int],
+    def __init__(self, sw: TensorSwapper, plans: list[_ReadPlan], fds: dict[str, AioFile],
                  verify: bool, pin: bool, budget: int) -> None:
         self._args = (sw, plans, fds, verify, pin, budget)
         self._once = threading.Lock()
@@ -327,8 +328,8 @@ class _ReadJob:
     def cancel(self, exc: BaseException) -> None:
         if self._take():
             sw, plans, fds, _, _, _ = self._args
-            for fd in fds.values():
-                os.close(fd)
+            for f in fds.values():
+                f.close()
             sw._abandon(plans, exc)
 
 
@@ -728,10 +729,10 @@ class TensorSwapper:
             self._staging.acquire(staged)
         try:
             src = t.contiguous() if staged else t
-            fname, fd = self._dir.create_data(f"t-{_file_hash(name)}-")
+            fname, fd = self._create(f"t-{_file_hash(name)}-")
             ok = False
             try:
-                fut = self._handle.pwrite(src, fd, 0, async_op=True, fsync=True)
+                fut = fd.pwrite(src, 0, async_op=True, fsync=True)
                 assert isinstance(fut, concurrent.futures.Future)
                 try:
                     digest = _checksum.digest(src, self._algo) if self._algo else None
@@ -744,7 +745,7 @@ class TensorSwapper:
                                f"and the swap directory is unchanged")
                 raise
             finally:
-                os.close(fd)
+                fd.close()
                 if not ok:
                     self._dir.unlink(fname)
         finally:
@@ -752,6 +753,25 @@ class TensorSwapper:
                 self._staging.release(staged)
         return Entry(name, fname, 0, nbytes, _dtype_name(t.dtype), shape, stride, soff,
                      digest, self._algo if digest is not None else None, seq)
+
+    def _create(self, stem: str) -> tuple[str, AioFile]:
+        """A new data file (see :meth:`SwapDirectory.create_data`), opened through the handle."""
+        fname, fd = self._dir.create_data(stem)
+        try:
+            return fname, self._handle.adopt(fd)
+        except BaseException:
+            os.close(fd)
+            self._dir.unlink(fname)
+            raise
+
+    def _open(self, fname: str, who: str) -> tuple[AioFile, int]:
+        """A data file opened for reading through the handle, and its size."""
+        fd, size = self._dir.open_data(fname, who)
+        try:
+            return self._handle.adopt(fd), size
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _release_staging(self, n: int) -> Callable[[Any], None]:
         """A done-callback that gives ``n`` staging bytes back."""
@@ -790,13 +810,13 @@ class TensorSwapper:
             from aioswap import pinned
             slab = pinned.empty(need, torch.uint8, strict=False)
         slab_pos = 0
-        files: list[tuple[str, int, int]] = []       # (name, fd, size)
+        files: list[tuple[str, AioFile, int]] = []   # (name, file, size)
         futs: list[concurrent.futures.Future[int]] = []
         entries: list[Entry] = []
         ok = False
 
-        def write(buf: torch.Tensor, fd: int, off: int) -> concurrent.futures.Future[int]:
-            fut = self._handle.pwrite(buf, fd, off, async_op=True)
+        def write(buf: torch.Tensor, fd: AioFile, off: int) -> concurrent.futures.Future[int]:
+            fut = fd.pwrite(buf, off, async_op=True)
             assert isinstance(fut, concurrent.futures.Future)
             futs.append(fut)
             return fut
@@ -805,9 +825,9 @@ class TensorSwapper:
             for pack in layout:
                 last, off = pack[-1]
                 size = _round_up(off + last.src.numel() * last.src.element_size())
-                fname, fd = self._dir.create_data("p-")
+                fname, fd = self._create("p-")
                 files.append((fname, fd, size))
-                os.ftruncate(fd, size)
+                os.ftruncate(fd.fileno(), size)
                 for j, off in pack:
                     src = j.src
                     n = src.numel() * src.element_size()
@@ -861,7 +881,7 @@ class TensorSwapper:
             for f in futs:
                 f.result()
             for _, fd, _ in files:
-                os.fsync(fd)
+                fd.fsync()
             ok = True
         except BaseException as exc:
             _add_note(exc, f"aioswap: {what} failed; nothing was published and the swap "
@@ -870,7 +890,7 @@ class TensorSwapper:
         finally:
             concurrent.futures.wait(futs)       # never unlink under requests in flight
             for fname, fd, _ in files:
-                os.close(fd)
+                fd.close()
                 if not ok:
                     self._dir.unlink(fname)
         return Change(entries, [], files=[f for f, _, _ in files],
@@ -952,12 +972,12 @@ class TensorSwapper:
             return self._plan_reads(items, device, verify)
 
         plans = self._claims.when_free([n for n, _ in items], plan)
-        fds: dict[str, int] = {}
+        fds: dict[str, AioFile] = {}
         try:
             self._open_files(plans, fds)
         except BaseException as exc:
-            for fd in fds.values():
-                os.close(fd)
+            for f in fds.values():
+                f.close()
             self._abandon(plans, exc)
             raise
         futs = [p.shared if p.shared is not None else p.fut for p in plans]
@@ -1009,27 +1029,28 @@ class TensorSwapper:
                 self._released.begin_restore(p.name, p.fut)
         return plans
 
-    def _open_files(self, plans: list[_ReadPlan], fds: dict[str, int]) -> None:
+    def _open_files(self, plans: list[_ReadPlan], fds: dict[str, AioFile]) -> None:
         """Open every data file of ``plans`` once and check its size (before any I/O)."""
+        sizes: dict[str, int] = {}
         for p in plans:
             if p.shared is not None:
                 continue
             e = p.entry
             who = f"swap_in of {p.name!r}"
             if e.file not in fds:
-                fd, size = self._dir.open_data(e.file, who)
-                fds[e.file] = fd
+                fds[e.file], size = self._open(e.file, who)
+                sizes[e.file] = size
                 with self._lock:
                     expected = self._m.expected_size(e)
                 path = self._dir.join(e.file)
                 if size != expected:
-                    os.close(fds.pop(e.file))
+                    fds.pop(e.file).close()
                     what = "truncated" if size < expected else "longer than recorded"
                     raise SwapError(f"{who}: data file {path!r} is {what}: it has {size} "
                                     f"bytes, the manifest records {expected} bytes ({e.nbytes} "
                                     f"bytes at offset {e.offset} for this tensor; the file "
                                     f"was changed after swap_out)")
-            p.file_size = os.fstat(fds[e.file]).st_size
+            p.file_size = sizes[e.file]
             if e.offset + e.nbytes > p.file_size:
                 raise SwapError(f"{who}: the manifest places it past the end of "
                                 f"{self._dir.join(e.file)!r}")
@@ -1088,7 +1109,7 @@ class TensorSwapper:
         if p.flat is None and dest.is_contiguous() and not dest.is_cuda:
             p.flat = dest.reshape(-1).view(torch.uint8)
 
-    def _submit(self, p: _ReadPlan, fd: int, verify: bool) -> None:
+    def _submit(self, p: _ReadPlan, fd: AioFile, verify: bool) -> None:
         """Queue the read(s) of ``p``; large verified reads in chunks hashed as they land."""
         e = p.entry
         if e.nbytes == 0:
@@ -1099,11 +1120,11 @@ class TensorSwapper:
             step = _checksum.HASH_CHUNK if hashed and p.nread > _SPLIT_READ else p.nread
             for s in range(0, p.nread, step):
                 k = min(step, p.nread - s)
-                f = self._handle.pread(p.flat[s:s + k], fd, e.offset + s, async_op=True)
+                f = fd.pread(p.flat[s:s + k], e.offset + s, async_op=True)
                 assert isinstance(f, concurrent.futures.Future)
                 p.pieces.append((f, s, min(k, e.nbytes - s)))
         else:
-            f = self._handle.pread(p.dest, fd, e.offset, nbytes=e.nbytes, async_op=True)
+            f = fd.pread(p.dest, e.offset, nbytes=e.nbytes, async_op=True)
             assert isinstance(f, concurrent.futures.Future)
             p.pieces.append((f, 0, e.nbytes))
 
@@ -1136,7 +1157,7 @@ class TensorSwapper:
                                 f"read at offset {e.offset} is {got}, swap_out recorded "
                                 f"{e.checksum}): the file is corrupted")
 
-    def _execute(self, plans: list[_ReadPlan], fds: dict[str, int], verify: bool, pin: bool,
+    def _execute(self, plans: list[_ReadPlan], fds: dict[str, AioFile], verify: bool, pin: bool,
                  budget: int) -> None:
         """Run a batch of reads: allocate and submit all, verify each as it lands, finish."""
         import torch
@@ -1232,7 +1253,7 @@ class TensorSwapper:
                 # never leave the kernel writing into memory handed back
                 concurrent.futures.wait([f for p in active for f, _, _ in p.pieces])
                 for fd in fds.values():
-                    os.close(fd)
+                    fd.close()
         except BaseException as exc:            # a signal: every request has finished
             first = exc
         for p in plans:
@@ -1585,21 +1606,21 @@ class TensorSwapper:
                                  key=lambda e: e.seq)
             if not entries:
                 return 0
-            fds: dict[str, int] = {}
+            fds: dict[str, AioFile] = {}
             reads: list[tuple[Entry, torch.Tensor, concurrent.futures.Future[int] | None]] = []
             try:
                 for e in entries:
                     if e.file not in fds:
-                        fds[e.file] = self._dir.open_data(e.file, f"compact of {e.name!r}")[0]
+                        fds[e.file] = self._open(e.file, f"compact of {e.name!r}")[0]
                     raw = torch.empty(e.nbytes, dtype=torch.uint8)
-                    f = (self._handle.pread(raw, fds[e.file], e.offset, async_op=True)
+                    f = (fds[e.file].pread(raw, e.offset, async_op=True)
                          if e.nbytes else None)
                     assert f is None or isinstance(f, concurrent.futures.Future)
                     reads.append((e, raw, f))
             finally:
                 concurrent.futures.wait([f for _, _, f in reads if f is not None])
                 for fd in fds.values():
-                    os.close(fd)
+                    fd.close()
             jobs: list[_WriteJob] = []
             for e, raw, done in reads:
                 if done is not None:

@@ -165,3 +165,96 @@ def test_eight_threads_mixed_routes_byte_exact(tmp_path: Path) -> None:
         assert os.pread(fd, size, 0) == bytes(ref)
     finally:
         os.close(fd)
+
+
+# ----------------------------------------------------------------------------------------
+# adopt: a descriptor the caller opened becomes one of the handle's files
+
+
+def test_adopt_takes_the_fd_over(tmp_path: Path) -> None:
+    """Read-only, write-only and read/write fds: the same access, byte-exact at odd sizes
+    and offsets (a write-only fd is reopened read/write for the edge blocks), the caller's
+    fd closed on return, and no descriptor left once the files are closed."""
+    rng = random.Random(7)
+    data = bytes(rng.getrandbits(8) for _ in range(70_001))
+    p = _write(tmp_path / "a.bin", data)
+    before = _fds()
+    with aioswap.AioHandle() as h:
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+        f = h.adopt(fd)
+        with pytest.raises(OSError):
+            os.fstat(fd)                        # closed: the file has its own
+        assert f.readable and not f.writable and repr(str(p)) == f.name
+        out = torch.empty(33_333, dtype=torch.uint8)
+        assert f.pread(out, 4097) == 33_333
+        assert out.numpy().tobytes() == data[4097:4097 + 33_333]
+        with pytest.raises(PermissionError, match="not open for writing"):
+            f.pwrite(out, 0)
+        f.close()
+
+        patch = bytes(rng.getrandbits(8) for _ in range(5_003))
+        for flags in (os.O_WRONLY, os.O_RDWR):
+            fw = h.adopt(os.open(p, flags), name="the test file")
+            assert fw.writable and fw.name == "the test file"
+            src = torch.frombuffer(bytearray(patch), dtype=torch.uint8)
+            assert fw.pwrite(src, 1_001, fsync=True) == len(patch)
+            fw.close()
+            data = data[:1_001] + patch + data[1_001 + len(patch):]
+            assert p.read_bytes() == data
+    assert _fds() == before
+
+
+def test_adopt_refuses_clearly_and_leaves_the_fd(tmp_path: Path) -> None:
+    p = _write(tmp_path / "b.bin", b"x" * 8192)
+    with aioswap.AioHandle() as h:
+        fd = os.open(p, os.O_WRONLY | os.O_APPEND)
+        try:
+            with pytest.raises(ValueError, match="O_APPEND"):
+                h.adopt(fd)
+            os.fstat(fd)                        # still the caller's, open
+        finally:
+            os.close(fd)
+        d = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with pytest.raises(OSError):
+                h.adopt(d)
+            os.fstat(d)
+        finally:
+            os.close(d)
+        r, w = os.pipe()
+        try:
+            with pytest.raises(OSError, match="FIFO|pipe|regular"):
+                h.adopt(r)
+        finally:
+            os.close(r)
+            os.close(w)
+        with pytest.raises(OSError, match="fd 987654 is not an open file descriptor"):
+            h.adopt(987654)
+        with pytest.raises(TypeError, match="int fd"):
+            h.adopt(True)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        with pytest.raises(aioswap.HandleClosedError):
+            h.adopt(fd)
+        os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+def test_adopt_an_unnamed_file(tmp_path: Path) -> None:
+    """An O_TMPFILE fd (no name to reopen by) works through adopt, byte-exact."""
+    try:
+        fd = os.open(tmp_path, os.O_TMPFILE | os.O_RDWR, 0o600)
+    except OSError as exc:
+        pytest.skip(f"O_TMPFILE: {exc}")
+    data = torch.randint(0, 256, (12_345,), dtype=torch.uint8)
+    with aioswap.AioHandle() as h, h.adopt(fd) as f:
+        assert f.pwrite(data, 511) == 12_345
+        out = torch.empty_like(data)
+        assert f.pread(out, 511) == 12_345
+        assert torch.equal(out, data)
+        plain = os.open(f"/proc/self/fd/{f.fileno()}", os.O_RDONLY)    # no O_DIRECT
+        try:
+            assert os.pread(plain, 12_345, 511) == data.numpy().tobytes()
+        finally:
+            os.close(plain)

@@ -102,14 +102,15 @@ def test_batched_requests_and_one_fsync_per_pack(tmp_dir: Path, monkeypatch) -> 
         real_fsync(fd)
 
     with aioswap.AioHandle() as h, TensorSwapper(tmp_dir / "s", handle=h) as sw:
-        for op in ("pwrite", "pread"):
-            real = getattr(h, op)
+        real = h._request           # every request of the handle and its files comes here
 
-            def counted(*args, _real=real, _op=op, **kw):
-                calls[_op].append(kw.get("async_op", False))
-                return _real(*args, **kw)
+        def counted(write, buffer, file, *args):
+            # the swapper's files are the handle's own (never a raw fd or a path per request)
+            assert isinstance(file, aioswap.AioFile), file
+            calls["pwrite" if write else "pread"].append(args[-2])     # async_op
+            return real(write, buffer, file, *args)
 
-            monkeypatch.setattr(h, op, counted)
+        monkeypatch.setattr(h, "_request", counted)
         monkeypatch.setattr(os, "fsync", counting_fsync)
         sw.swap_out_state_dict("sd/", sd)
         monkeypatch.setattr(os, "fsync", real_fsync)
