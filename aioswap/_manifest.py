@@ -155,14 +155,25 @@ class Entry:
 # The directory
 
 
-class SwapDirectory:
-    """A locked swap directory: creation, marker, data files, orphans, removal."""
+#: The suffix of a striped data file's layout beside each of its parts (aioswap.stripe).
+STRIPE_SUFFIX = ".stripe.json"
 
-    def __init__(self, path: str, mode: int) -> None:
+
+class SwapDirectory:
+    """A locked swap directory: creation, marker, data files, orphans, removal.
+
+    ``extra``: more directories (other drives), each locked too, that hold the other parts
+    of striped data files (the manifest, the marker and unstriped files are in ``path``).
+    """
+
+    def __init__(self, path: str, mode: int, extra: list[str] | None = None) -> None:
         self.path = path
         self.mode = mode
         self.dir_fd = -1
         self._lock_fd = -1
+        self.extra: list[str] = []
+        self.extra_created: list[str] = []
+        self._extra_locks: list[int] = []
         self._reap_lock = threading.Lock()
         self._reaper: concurrent.futures.ThreadPoolExecutor | None = None
         self._reaping: list[concurrent.futures.Future[Any]] = []
@@ -191,13 +202,48 @@ class SwapDirectory:
                 self.fsync()
                 fsync_dir(os.path.dirname(path))
             self.created = created or os.path.exists(os.path.join(path, CREATED_NAME))
+            for d in extra or ():
+                made = False
+                if not os.path.isdir(d):
+                    try:
+                        os.makedirs(d, mode=_dir_mode(mode))
+                        os.chmod(d, _dir_mode(mode))
+                        made = True
+                    except FileExistsError:
+                        if not os.path.isdir(d):
+                            raise NotADirectoryError(f"swap directory {d!r} exists and is "
+                                                     f"not a directory") from None
+                self.extra.append(d)
+                self._extra_locks.append(self._lock_at(d))
+                marker = os.path.join(d, CREATED_NAME)
+                if made:
+                    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                                 | os.O_NOFOLLOW, mode)
+                    try:
+                        os.write(fd, b"created by aioswap.TensorSwapper; destroy() removes "
+                                     b"this directory\n")
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    fsync_dir(d)
+                    fsync_dir(os.path.dirname(d))
+                if made or os.path.exists(marker):
+                    self.extra_created.append(d)
         except BaseException:
             self.close()
             raise
 
+    @property
+    def striped(self) -> bool:
+        """Whether new data files are striped over several directories."""
+        return bool(self.extra)
+
     def _lock(self) -> None:
+        self._lock_fd = self._lock_at(self.path)
+
+    def _lock_at(self, path: str) -> int:
         import fcntl
-        fd = os.open(os.path.join(self.path, LOCK_NAME),
+        fd = os.open(os.path.join(path, LOCK_NAME),
                      os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, self.mode)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -206,14 +252,23 @@ class SwapDirectory:
                 holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
             finally:
                 os.close(fd)
-            raise SwapError(f"swap directory {self.path!r} is in use by another "
+            raise SwapError(f"swap directory {path!r} is in use by another "
                             f"TensorSwapper (pid {holder}); close it first") from None
         except BaseException:
             os.close(fd)
             raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
+        return fd
+
+    def parts(self, fname: str) -> list[str]:
+        """The part files of striped data file ``fname``: one per directory, ``path``'s
+        first."""
+        return [os.path.join(d, fname) for d in [self.path, *self.extra]]
+
+    def is_striped(self, fname: str) -> bool:
+        """Whether ``fname`` was written striped (its layout lies beside it)."""
+        return os.path.exists(self.join(fname) + STRIPE_SUFFIX)
 
     def unlink_later(self, fnames: list[str]) -> None:
         """Unlink files no manifest needs any more, on a background thread.
@@ -254,6 +309,9 @@ class SwapDirectory:
             if fd >= 0:
                 setattr(self, attr, -1)
                 os.close(fd)
+        locks, self._extra_locks = self._extra_locks, []
+        for fd in locks:
+            os.close(fd)
 
     def join(self, fname: str) -> str:
         return os.path.join(self.path, fname)
@@ -317,15 +375,25 @@ class SwapDirectory:
         return fd, st.st_size
 
     def unlink(self, fname: str) -> None:
-        try:
-            os.unlink(self.join(fname))
-        except FileNotFoundError:
-            pass
-        except OSError as exc:      # an orphan is removed at the next open anyway
-            _log.warning("could not remove %s from %s: %s", fname, self.path, exc)
+        """Remove ``fname`` (every part and layout of it, when striped)."""
+        names = [fname]
+        if is_data_file(fname):
+            names.append(fname + STRIPE_SUFFIX)
+        for d in [self.path, *self.extra]:
+            for n in names:
+                try:
+                    os.unlink(os.path.join(d, n))
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:      # an orphan is removed at the next open anyway
+                    _log.warning("could not remove %s from %s: %s", n, d, exc)
 
     def data_files(self) -> list[str]:
-        return sorted(f for f in os.listdir(self.path) if is_data_file(f))
+        """Data files (or parts of striped ones) in any of the directories."""
+        found = {f for f in os.listdir(self.path) if is_data_file(f)}
+        for d in self.extra:
+            found.update(f for f in os.listdir(d) if is_data_file(f))
+        return sorted(found)
 
     def remove_unreferenced(self, referenced: set[str]) -> None:
         """Remove data files the (known, valid) manifest does not name.
@@ -344,7 +412,7 @@ class SwapDirectory:
         Without a manifest nothing says which of them hold complete data, nor what they are;
         they are not deleted (a user may have lost the manifest, not the data).
         """
-        files = self.data_files()
+        files = sorted(f for f in os.listdir(self.path) if is_data_file(f))
         if not files:
             return
         dest = self.join(ORPHANS_DIR)
@@ -366,9 +434,10 @@ class SwapDirectory:
 
     def remove_own_files(self) -> None:
         """Remove data files, manifest and marker (never other files, never a tree)."""
-        for fname in os.listdir(self.path):
-            if is_data_file(fname) or fname in (MANIFEST_NAME, MANIFEST_TMP, CREATED_NAME):
-                self.unlink(fname)
+        for fname in self.data_files():
+            self.unlink(fname)
+        for fname in (MANIFEST_NAME, MANIFEST_TMP, CREATED_NAME):
+            self.unlink(fname)
 
 
 # ----------------------------------------------------------------------------------------

@@ -231,7 +231,8 @@ class StripedFile:
 
     The face of an :class:`~aioswap.AioFile`: ``pread``/``pwrite`` take the handle's
     arguments without ``file`` (any buffer, size and offset; ``async_op=True`` returns an
-    :class:`~aioswap.IOFuture`), plus ``fsync``, ``size``, ``wait`` and ``close``.
+    :class:`~aioswap.IOFuture`), plus ``fsync``, ``size``, ``truncate`` (growing only),
+    ``wait`` and ``close``.
 
     Attributes
     ----------
@@ -481,6 +482,25 @@ class StripedFile:
     def size(self) -> int:
         """The logical size in bytes."""
         return self._size
+
+    def truncate(self, size: int) -> None:
+        """Make the logical size ``size`` when that is larger: the bytes past the old end
+        are a hole and read as zeros, and the size is saved with the layout as a write's
+        end is. Shrinking is refused."""
+        self._check("truncate")
+        if not self.writable:
+            raise PermissionError(f"{self.name} is not open for writing")
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(f"size must be an int, got {type(size).__name__}")
+        with self._lock:
+            if size < self._size:
+                raise ValueError(f"truncate of {self.name} to {size} bytes: a striped file "
+                                 f"does not shrink (it has {self._size})")
+            if size == self._size:
+                return
+            self._size = size
+            self._gen += 1
+        self._cover()
 
     def pread(self, buffer: Any, offset: int = 0, *, nbytes: int | None = None,
               async_op: bool = False) -> int | IOFuture:

@@ -117,9 +117,13 @@ from aioswap._util import round_up, wait_all
 from aioswap.config import AioConfig
 from aioswap.errors import ChecksumError, HandleClosedError, SwapError
 from aioswap.handle import AioHandle
+from aioswap.stripe import StripedFile, open_striped
 
 if TYPE_CHECKING:
     import torch
+
+#: A data file as the swapper reads and writes it: one file, or striped over drives.
+_DataFile = Union[AioFile, StripedFile]
 
 __all__ = ["DEFAULT_PACK_BYTES", "DEFAULT_PIN_BUDGET", "MANIFEST_NAME", "PACK_ALIGN",
            "SwapInfo", "TensorSwapper", "checksum_algorithms", "current_rank"]
@@ -309,7 +313,7 @@ class _ReadPlan:
 class _ReadJob:
     """A planned batch of reads: call it once to run it, or ``cancel`` it."""
 
-    def __init__(self, sw: TensorSwapper, plans: list[_ReadPlan], fds: dict[str, AioFile],
+    def __init__(self, sw: TensorSwapper, plans: list[_ReadPlan], fds: dict[str, _DataFile],
                  verify: bool, pin: bool, budget: int) -> None:
         self._args = (sw, plans, fds, verify, pin, budget)
         self._once = threading.Lock()
@@ -362,11 +366,19 @@ class TensorSwapper:
 
     Parameters
     ----------
-    directory : str or os.PathLike
+    directory : str or os.PathLike, or a list or tuple of them
         The swap directory. Created (with parents; the directory itself with mode 0700, see
         ``mode``) when missing, and then marked as created by aioswap; an existing directory
         is used as it is, and only aioswap's own files in it are ever written or removed.
         Completed swaps found in it are restored.
+
+        Several directories (one per drive, e.g. ``["/nvme0/swap", "/nvme1/swap"]``): every
+        data file written is striped over all of them (:mod:`aioswap.stripe`: each drive its
+        own queue, stripe units handed to the drive that frees up first, so a slower drive
+        takes less). The first directory holds the manifest; reopen with the same first
+        directory and all the others, in any order. Each directory is locked while the
+        swapper is open. Files written with fewer directories stay readable; a striped file
+        opened without its other directories is refused, naming them.
     handle : AioHandle, optional
         The handle that moves the bytes; it stays open when the swapper closes. Default: a
         handle built from ``config`` and owned (closed) by the swapper.
@@ -450,7 +462,15 @@ class TensorSwapper:
         if handle is not None and handle.closed:
             raise HandleClosedError("TensorSwapper given a closed AioHandle")
         _torch()
-        self._path = os.path.abspath(os.fspath(directory))
+        if isinstance(directory, (list, tuple)):
+            if not directory:
+                raise ValueError("TensorSwapper needs at least one directory")
+            dirs = [os.path.abspath(os.fspath(d)) for d in directory]
+        else:
+            dirs = [os.path.abspath(os.fspath(directory))]
+        if len({os.path.realpath(d) for d in dirs}) != len(dirs):
+            raise ValueError(f"the swap directories must be distinct: {dirs}")
+        self._path = dirs[0]
         self._verify = bool(verify)
         self._algo = checksum
         self._pin = pin_memory if pin_memory is None else bool(pin_memory)
@@ -463,7 +483,8 @@ class TensorSwapper:
         # drops out when it completes, so a long run that never waits does not grow this)
         self._outstanding: dict[concurrent.futures.Future[Any], None] = {}
         self._async_count = 0
-        self._dir = SwapDirectory(self._path, mode)
+        self._dir = SwapDirectory(self._path, mode, dirs[1:])
+        self._mode = mode
         try:
             self._m = Manifest(self._dir, self._lock)
             self._own_handle = handle is None
@@ -532,8 +553,14 @@ class TensorSwapper:
     # -- properties ------------------------------------------------------------------------
     @property
     def directory(self) -> str:
-        """Absolute path of the swap directory."""
+        """Absolute path of the swap directory (the first one, with the manifest)."""
         return self._path
+
+    @property
+    def directories(self) -> tuple[str, ...]:
+        """Absolute paths of every swap directory; data files are striped over them when
+        there are several."""
+        return (self._path, *self._dir.extra)
 
     @property
     def handle(self) -> AioHandle:
@@ -754,8 +781,20 @@ class TensorSwapper:
         return Entry(name, fname, 0, nbytes, _dtype_name(t.dtype), shape, stride, soff,
                      digest, self._algo if digest is not None else None, seq)
 
-    def _create(self, stem: str) -> tuple[str, AioFile]:
-        """A new data file (see :meth:`SwapDirectory.create_data`), opened through the handle."""
+    def _create(self, stem: str) -> tuple[str, _DataFile]:
+        """A new data file (see :meth:`SwapDirectory.create_data`), opened through the
+        handle; striped over the swap directories when there are several."""
+        if self._dir.striped:
+            while True:
+                fname = f"{stem}{os.urandom(16 if stem == 'p-' else 8).hex()}.bin"
+                try:
+                    return fname, open_striped(self._handle, self._dir.parts(fname), "x",
+                                               perm=self._mode)
+                except FileExistsError:     # pragma: no cover - 64+ random bits
+                    continue
+                except BaseException:
+                    self._dir.unlink(fname)
+                    raise
         fname, fd = self._dir.create_data(stem)
         try:
             return fname, self._handle.adopt(fd)
@@ -764,8 +803,18 @@ class TensorSwapper:
             self._dir.unlink(fname)
             raise
 
-    def _open(self, fname: str, who: str) -> tuple[AioFile, int]:
+    def _open(self, fname: str, who: str) -> tuple[_DataFile, int]:
         """A data file opened for reading through the handle, and its size."""
+        if self._dir.is_striped(fname):
+            parts = self._dir.parts(fname)
+            try:
+                f = open_striped(self._handle, parts, "r")
+            except (OSError, ValueError) as exc:
+                raise SwapError(f"{who}: its data file {fname!r} is striped over several "
+                                f"directories (drives); open the swapper with all of them "
+                                f"(the first being {self._path!r}; given: {parts}): {exc}"
+                                ) from exc
+            return f, f.size()
         fd, size = self._dir.open_data(fname, who)
         try:
             return self._handle.adopt(fd), size
@@ -810,12 +859,12 @@ class TensorSwapper:
             from aioswap import pinned
             slab = pinned.empty(need, torch.uint8, strict=False)
         slab_pos = 0
-        files: list[tuple[str, AioFile, int]] = []   # (name, file, size)
+        files: list[tuple[str, _DataFile, int]] = []     # (name, file, size)
         futs: list[concurrent.futures.Future[int]] = []
         entries: list[Entry] = []
         ok = False
 
-        def write(buf: torch.Tensor, fd: AioFile, off: int) -> concurrent.futures.Future[int]:
+        def write(buf: torch.Tensor, fd: _DataFile, off: int) -> concurrent.futures.Future[int]:
             fut = fd.pwrite(buf, off, async_op=True)
             assert isinstance(fut, concurrent.futures.Future)
             futs.append(fut)
@@ -827,7 +876,10 @@ class TensorSwapper:
                 size = _round_up(off + last.src.numel() * last.src.element_size())
                 fname, fd = self._create("p-")
                 files.append((fname, fd, size))
-                os.ftruncate(fd.fileno(), size)
+                if isinstance(fd, AioFile):
+                    os.ftruncate(fd.fileno(), size)
+                else:
+                    fd.truncate(size)
                 for j, off in pack:
                     src = j.src
                     n = src.numel() * src.element_size()
@@ -972,7 +1024,7 @@ class TensorSwapper:
             return self._plan_reads(items, device, verify)
 
         plans = self._claims.when_free([n for n, _ in items], plan)
-        fds: dict[str, AioFile] = {}
+        fds: dict[str, _DataFile] = {}
         try:
             self._open_files(plans, fds)
         except BaseException as exc:
@@ -1029,7 +1081,7 @@ class TensorSwapper:
                 self._released.begin_restore(p.name, p.fut)
         return plans
 
-    def _open_files(self, plans: list[_ReadPlan], fds: dict[str, AioFile]) -> None:
+    def _open_files(self, plans: list[_ReadPlan], fds: dict[str, _DataFile]) -> None:
         """Open every data file of ``plans`` once and check its size (before any I/O)."""
         sizes: dict[str, int] = {}
         for p in plans:
@@ -1109,7 +1161,7 @@ class TensorSwapper:
         if p.flat is None and dest.is_contiguous() and not dest.is_cuda:
             p.flat = dest.reshape(-1).view(torch.uint8)
 
-    def _submit(self, p: _ReadPlan, fd: AioFile, verify: bool) -> None:
+    def _submit(self, p: _ReadPlan, fd: _DataFile, verify: bool) -> None:
         """Queue the read(s) of ``p``; large verified reads in chunks hashed as they land."""
         e = p.entry
         if e.nbytes == 0:
@@ -1157,7 +1209,7 @@ class TensorSwapper:
                                 f"read at offset {e.offset} is {got}, swap_out recorded "
                                 f"{e.checksum}): the file is corrupted")
 
-    def _execute(self, plans: list[_ReadPlan], fds: dict[str, AioFile], verify: bool, pin: bool,
+    def _execute(self, plans: list[_ReadPlan], fds: dict[str, _DataFile], verify: bool, pin: bool,
                  budget: int) -> None:
         """Run a batch of reads: allocate and submit all, verify each as it lands, finish."""
         import torch
@@ -1606,7 +1658,7 @@ class TensorSwapper:
                                  key=lambda e: e.seq)
             if not entries:
                 return 0
-            fds: dict[str, AioFile] = {}
+            fds: dict[str, _DataFile] = {}
             reads: list[tuple[Entry, torch.Tensor, concurrent.futures.Future[int] | None]] = []
             try:
                 for e in entries:
@@ -1758,13 +1810,14 @@ class TensorSwapper:
         with self._m.exclusive():      # still locked: nobody else can be using the directory
             self._dir.remove_own_files()
         created = self._dir.created
+        extra_created = list(self._dir.extra_created)
         self.close()
         self._dir.unlink(LOCK_NAME)
-        if created:
+        for d in ([self._path] if created else []) + extra_created:
             try:
-                os.rmdir(self._path)
+                os.rmdir(d)
             except OSError as exc:
-                _log.warning("kept swap directory %s: %s", self._path, exc)
+                _log.warning("kept swap directory %s: %s", d, exc)
 
     def __enter__(self) -> TensorSwapper:
         return self
