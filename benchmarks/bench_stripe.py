@@ -16,8 +16,11 @@ For each N in ``--drives`` and each request size (1 MiB sequential, 4 KiB random
 * ``aioswap``: ``h.open([part on each drive], "w+")``, the whole transfer as async requests
   of that size (at most 32 x N in flight), then read back the same way.
 
-Then the uneven case (N = 4, one drive capped at half speed): aioswap striped write and read
-against the sum of the caps (a static round-robin split would get about 4 x 0.5 / 3.5 = 0.57).
+Then, for N = 4: a state dict of ``--size`` bytes (16 tensors) through
+``TensorSwapper([a directory on each drive])`` (``swap_out_state_dict``, packs fsynced, then
+``swap_in_state_dict`` into fresh memory), against the 1 MiB ``fio sum``; and the uneven
+case (one drive capped at half speed): aioswap striped write and read against the sum of the
+caps (a static round-robin split would get about 4 x 0.5 / 3.5 = 0.57).
 
 Units: GB/s (10^9 B/s); ratios are aioswap / other (bigger is better). Tiny defaults make a
 smoke test; ``--size 2G --cap 300M`` (choose N x cap <= 0.7 x the disk's own bandwidth) are
@@ -43,6 +46,7 @@ import torch
 
 import aioswap
 from _common import GB, UNITS_NOTE, size_arg
+from aioswap.swap import TensorSwapper
 
 CGROUP = "/sys/fs/cgroup/blkio"
 QD = 32
@@ -209,6 +213,28 @@ def aioswap_run(h: aioswap.AioHandle, parts: Sequence[str], bs: int, size: int,
     return rates[0], rates[1]
 
 
+def swapper_run(h: aioswap.AioHandle, roots: Sequence[str], size: int) -> tuple[float, float]:
+    """A state dict of ``size`` bytes in 16 tensors through a TensorSwapper over ``roots``:
+    swap_out_state_dict then swap_in_state_dict, B/s each (byte-exact checked)."""
+    per = max(1, size // 16 // 4)
+    gen = torch.Generator().manual_seed(5)
+    sd = {f"layer{i}.weight": torch.randint(-2**31, 2**31 - 1, (per,), dtype=torch.int32,
+                                            generator=gen) for i in range(16)}
+    nbytes = sum(t.nbytes for t in sd.values())
+    with TensorSwapper(list(roots), handle=h) as sw:
+        t0 = time.perf_counter()
+        sw.swap_out_state_dict("", sd)
+        w = nbytes / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        got = sw.swap_in_state_dict("", verify=False)
+        r = nbytes / (time.perf_counter() - t0)
+        if any(not torch.equal(got[k], v) for k, v in sd.items()):
+            raise SystemExit("TensorSwapper over the drives read back different bytes")
+        del got
+        sw.destroy()
+    return w, r
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default=None, help="where the drive images go (default: a new "
@@ -236,7 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with ExitStack() as stack:
         base = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="stripe-"))
         for n in sorted(set(counts) | {4}):
-            image = max(256 << 20, 2 * size // n + (64 << 20), 2 * small + (64 << 20))
+            # a fio file and a striped part (each total / n) side by side, plus ext4 journal
+            # and the parts' allocation ahead of their writes
+            image = max(256 << 20, 9 * size // (4 * n) + (128 << 20), 2 * small + (64 << 20))
             with rig(base, n, image) as r, aioswap.AioHandle() as h:
                 for bs, total, rand in ((1 << 20, size, False), (4096, small, True)):
                     if n not in counts:
@@ -262,6 +290,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       "fio_sum": fs / GB, "btrfs_raid0": bt / GB,
                                       "aioswap": a / GB, "vs_fio_sum": a / fs,
                                       "vs_btrfs": a / bt if bt == bt else None})
+                    if n == 4 and not rand:     # a state dict through TensorSwapper
+                        r.unmount()
+                        r.throttle(caps)
+                        mnts = r.ext4()
+                        sw_w, sw_r = swapper_run(h, [os.path.join(m, "swap") for m in mnts],
+                                                 size)
+                        for op, a, fs in (("swap_out_state_dict", sw_w, fw),
+                                          ("swap_in_state_dict", sw_r, fr)):
+                            cases.append({"drives": n, "request": bs, "op": op,
+                                          "fio_sum": fs / GB, "aioswap": a / GB,
+                                          "vs_fio_sum": a / fs, "vs_btrfs": None})
                 if n == 4:          # one drive at half speed
                     r.throttle([(cap, cap, 0, 0)] * 3 + [(cap // 2, cap // 2, 0, 0)])
                     mnts = r.ext4()
