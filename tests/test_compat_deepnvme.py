@@ -462,3 +462,72 @@ def test_dropped_handle_closes_quietly(tmp_path):
         del h
         gc.collect()
     assert inner.closed and _bytes(buf) == ref      # the queued read finished first
+
+
+# ---------------------------------------------------------------------------------------
+# Several drives: AIOSWAP_NVME_PATHS stripes the files under DeepSpeed's nvme_path
+
+
+def test_nvme_paths_stripe_files_over_every_directory(tmp_path, monkeypatch):
+    """Files under the first directory are striped over all of them, byte-exact at odd
+    sizes and offsets, sync and async, with validate; a file removed and written again (as
+    DeepSpeed clears its swap folder) starts a new layout; elsewhere files are plain."""
+    import shutil
+
+    roots = [tmp_path / f"nvme{i}" / "ds" for i in range(3)]
+    roots[0].mkdir(parents=True)
+    monkeypatch.setenv(deepnvme.NVME_PATHS_ENV, os.pathsep.join(map(str, roots)))
+    g = torch.Generator().manual_seed(3)
+    data = {f"zero_stage_3/float32params/rank0/{i}_param.tensor.swp":
+            torch.randint(0, 256, (3 * (1 << 20) + 4096 * i + 123,), dtype=torch.uint8,
+                          generator=g) for i in range(4)}
+    (roots[0] / "zero_stage_3" / "float32params" / "rank0").mkdir(parents=True)
+    h = deepnvme.aio_handle(block_size=1 << 20, queue_depth=8)
+    try:
+        for name, t in data.items():
+            assert h.async_pwrite(t, str(roots[0] / name)) == 0
+        assert h.wait() == len(data)
+        for root in roots:                              # every drive holds a part
+            for name in data:
+                part = root / name
+                assert part.stat().st_size > 0, part
+                assert (root / (name + ".stripe.json")).exists()
+        outs = {n: torch.empty_like(t) for n, t in data.items()}
+        for name, out in outs.items():
+            assert h.async_pread(out, str(roots[0] / name)) == 0
+        assert h.wait() == len(data)
+        assert all(torch.equal(outs[n], data[n]) for n in data)
+        name = next(iter(data))
+        part = torch.empty(777, dtype=torch.uint8)
+        assert h.sync_pread(part, str(roots[0] / name), 1_000_001) == 1
+        assert torch.equal(part, data[name][1_000_001:1_000_001 + 777])
+        assert h.pwrite(part, str(roots[0] / name), True, False, 12_345) == 1   # validated
+        # DeepSpeed removes its swap folder and writes the files again
+        shutil.rmtree(roots[0] / "zero_stage_3")
+        (roots[0] / "zero_stage_3" / "float32params" / "rank0").mkdir(parents=True)
+        fresh = torch.randint(0, 256, (2 << 20,), dtype=torch.uint8, generator=g)
+        assert h.sync_pwrite(fresh, str(roots[0] / name)) == 1
+        back = torch.empty_like(fresh)
+        assert h.sync_pread(back, str(roots[0] / name)) == 1
+        assert torch.equal(back, fresh)
+        with pytest.raises(FileNotFoundError):
+            h.sync_pread(back, str(roots[0] / "zero_stage_3" / "missing.swp"))
+        other = tmp_path / "elsewhere.bin"                 # not under the first directory
+        assert h.sync_pwrite(fresh, str(other)) == 1
+        assert other.read_bytes() == fresh.numpy().tobytes()
+    finally:
+        h.close()
+
+
+def test_nvme_paths_need_two_distinct_directories(tmp_path, monkeypatch):
+    monkeypatch.setenv(deepnvme.NVME_PATHS_ENV, str(tmp_path))
+    h = deepnvme.aio_handle()
+    try:
+        t = torch.arange(4096, dtype=torch.uint8)
+        h.sync_pwrite(t, str(tmp_path / "one.bin"))
+        assert not (tmp_path / "one.bin.stripe.json").exists()     # one directory: plain
+    finally:
+        h.close()
+    monkeypatch.setenv(deepnvme.NVME_PATHS_ENV, os.pathsep.join([str(tmp_path)] * 2))
+    with pytest.raises(ValueError, match="twice"):
+        deepnvme.aio_handle()

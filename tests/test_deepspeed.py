@@ -206,11 +206,16 @@ def _free_port() -> int:
 
 
 @needs_deepspeed
-def test_zero3_nvme_offload_trains_like_cpu_offload(tmp_path):
+@pytest.mark.parametrize("drives", [1, 3])
+def test_zero3_nvme_offload_trains_like_cpu_offload(tmp_path, drives):
     """ZeRO-3, one gloo rank, params and optimizer state on NVMe through aioswap: the same
-    losses as with CPU offload, and nothing built."""
+    losses as with CPU offload, and nothing built. With 3 drives (``AIOSWAP_NVME_PATHS``:
+    the config's nvme_path and two more) every swap file is striped over the three."""
     nvme = tmp_path / "nvme"
     nvme.mkdir()
+    extra = [tmp_path / f"nvme{i}" for i in range(1, drives)]
+    stripe_env = {"AIOSWAP_NVME_PATHS": os.pathsep.join(map(str, [nvme, *extra]))} \
+        if extra else {}
     res = _run(_script(tmp_path, f"""
         import collections, json, os
         from aioswap.compat import deepspeed as ads
@@ -280,7 +285,7 @@ def test_zero3_nvme_offload_trains_like_cpu_offload(tmp_path):
         print("RESULT " + json.dumps(dict(nvme=nvme_losses, cpu=train("cpu"), files=files,
                                           moved=dict(moved))))
     """, "train.py"), timeout=300, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", **stripe_env)
     assert len(res["nvme"]) == 8
     assert res["nvme"] == res["cpu"], (res["nvme"], res["cpu"])
     moved = res["moved"]
@@ -288,3 +293,9 @@ def test_zero3_nvme_offload_trains_like_cpu_offload(tmp_path):
     for what in ("float32params", "optimizer"):
         assert moved.get(f"{what}:pwrite", 0) > 0 and moved.get(f"{what}:pread", 0) > 0, moved
     assert any(f.endswith(".tensor.swp") and "optimizer" in f for f in res["files"])
+    for d in extra:     # each other drive holds a part of the swap files, and their layout
+        parts = [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs]
+        swp = [p for p in parts if p.endswith(".tensor.swp")]
+        assert swp and any(os.path.getsize(p) > 0 for p in swp), parts
+        assert any("optimizer" in p for p in swp) and any("param" in p for p in swp), swp
+        assert all(os.path.exists(p + ".stripe.json") for p in swp)

@@ -26,15 +26,26 @@ Differences from DeepNVMe, on purpose:
   manager's reference and the memory goes with the last view (DeepNVMe frees at once);
 * ``validate=True`` compares the tensor with a plain read of the file and raises
   ``ValueError`` on a mismatch instead of printing.
+
+Several drives: DeepSpeed takes one ``nvme_path``. With ``AIOSWAP_NVME_PATHS`` set to that
+path followed by more directories, one per drive (``os.pathsep``-separated, e.g.
+``/nvme0/ds:/nvme1/ds:/nvme2/ds``), every file an :class:`aio_handle` reads or writes under
+the first directory is striped (:mod:`aioswap.stripe`) over the same relative path under
+each of them: each drive its own queue, units handed to the drive that frees up first.
 """
 from __future__ import annotations
 
+import atexit
+import collections
+import concurrent.futures
+import errno
 import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Union
 
 from aioswap import pinned
 from aioswap.handle import AioHandle, IOFuture
+from aioswap.stripe import LAYOUT_SUFFIX, StripedFile, open_striped
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +57,23 @@ FileArg = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]", int]
 
 O_DIRECT_ALIGNMENT = 512
 """DeepNVMe's ``get_alignment()`` unit: 512 bytes per intra-op worker."""
+
+NVME_PATHS_ENV = "AIOSWAP_NVME_PATHS"
+"""Environment variable: DeepSpeed's ``nvme_path`` and more directories to stripe its files
+over (``os.pathsep``-separated); see the module docstring."""
+
+_MAX_STRIPED_OPEN = 64      # striped files kept open (the least recent closes)
+
+
+def _stripe_roots() -> list[str] | None:
+    """The directories of ``AIOSWAP_NVME_PATHS`` (absolute), or None for fewer than two."""
+    raw = os.environ.get(NVME_PATHS_ENV, "")
+    roots = [os.path.abspath(r) for r in raw.split(os.pathsep) if r.strip()]
+    if len(roots) < 2:
+        return None
+    if len({os.path.realpath(r) for r in roots}) != len(roots):
+        raise ValueError(f"{NVME_PATHS_ENV} names a directory twice: {raw!r}")
+    return roots
 
 
 # ---------------------------------------------------------------------------------------
@@ -110,6 +138,81 @@ def _torch() -> Any:
 
 
 # ---------------------------------------------------------------------------------------
+# Striped files (AIOSWAP_NVME_PATHS)
+
+
+class _Stripes:
+    """The striped files of the process, shared by every handle.
+
+    DeepSpeed writes a swap file through one handle and reads it through another, so one
+    file must be one :class:`~aioswap.stripe.StripedFile` (its layout lives in memory until
+    saved). Each is opened once, on a handle of this module's own (the drives' handles come
+    from its knobs, those of the first handle that striped), and reopened when its path
+    names another file now (DeepSpeed clears its swap folder at start). The least recently
+    used beyond :data:`_MAX_STRIPED_OPEN` are closed.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handle: AioHandle | None = None
+        self._files: collections.OrderedDict[str, tuple[tuple[int, int], StripedFile]] = \
+            collections.OrderedDict()
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._handle = None
+        self._files = collections.OrderedDict()
+
+    def get(self, p: str, roots: list[str], write: bool, like: AioHandle) -> StripedFile:
+        with self._lock:
+            try:
+                st = os.stat(p)
+                key: tuple[int, int] | None = (st.st_dev, st.st_ino)
+            except FileNotFoundError:
+                key = None
+            got = self._files.get(p)
+            if got is not None:
+                if got[0] == key and not got[1].closed:
+                    self._files.move_to_end(p)
+                    return got[1]
+                del self._files[p]
+                try:
+                    got[1].close()      # replaced or removed: its parts are stale
+                except OSError:         # its layout's directory went with it
+                    pass
+            if key is None and not write:
+                raise FileNotFoundError(errno.ENOENT, "No such file or directory", p)
+            rel = os.path.relpath(p, roots[0])
+            parts = [p] + [os.path.join(r, rel) for r in roots[1:]]
+            for q in parts[1:]:
+                os.makedirs(os.path.dirname(q), mode=0o700, exist_ok=True)
+            if self._handle is None or self._handle.closed:
+                self._handle = AioHandle.from_config(like.config)
+            mode = "r+" if key is not None and os.path.exists(p + LAYOUT_SUFFIX) else "w"
+            f = open_striped(self._handle, parts, mode)
+            st = os.stat(p)
+            self._files[p] = ((st.st_dev, st.st_ino), f)
+            while len(self._files) > _MAX_STRIPED_OPEN:
+                self._files.popitem(last=False)[1][1].close()    # waits for its requests
+            return f
+
+    def close(self) -> None:
+        with self._lock:
+            files = [f for _, f in self._files.values()]
+            self._files.clear()
+            h, self._handle = self._handle, None
+        for f in files:
+            f.close()
+        if h is not None:
+            h.close()
+
+
+_stripes = _Stripes()
+atexit.register(_stripes.close)
+
+
+# ---------------------------------------------------------------------------------------
 # aio_handle
 
 
@@ -155,13 +258,18 @@ class aio_handle:  # noqa: N801  (DeepNVMe's spelling)
     queued).
     """
 
+    #: whether files under ``AIOSWAP_NVME_PATHS``' first directory are striped
+    _stripes = True
+
     def __init__(self, block_size: int = 1048576, queue_depth: int = 128,
                  single_submit: bool = False, overlap_events: bool = False,
                  intra_op_parallelism: int = 1) -> None:
+        self._roots = _stripe_roots() if self._stripes else None
         self._h = self._new_handle(block_size, queue_depth, single_submit, overlap_events,
                                    intra_op_parallelism)
         self._lock = threading.Lock()
-        self._to_validate: list[tuple[IOFuture, Any, FileArg, int]] = []
+        self._to_validate: list[tuple[IOFuture, Any, FileArg | StripedFile, int]] = []
+        self._striped_futs: list[IOFuture] = []
 
     def _new_handle(self, *knobs: Any) -> AioHandle:
         return AioHandle(*knobs)
@@ -253,13 +361,32 @@ class aio_handle:  # noqa: N801  (DeepNVMe's spelling)
             return self._wait_locked()
 
     def _wait_locked(self) -> int:
+        futs, self._striped_futs = self._striped_futs, []
         try:
-            return self._h.wait()
+            n = self._h.wait()
         finally:
+            if futs:
+                concurrent.futures.wait(futs)       # the drives' own handles
             checks, self._to_validate = self._to_validate, []
             for fut, buffer, file, offset in checks:
                 if fut.done() and fut.exception() is None:
                     _validate(buffer, file, offset)
+        for fut in futs:
+            exc = fut.exception()
+            if exc is not None:
+                raise exc
+        return n + len(futs)
+
+    def _striped_file(self, file: FileArg, write: bool) -> StripedFile | None:
+        """The striped file behind a path under the first ``AIOSWAP_NVME_PATHS`` directory,
+        else None (see :class:`_Stripes`)."""
+        roots = self._roots
+        if roots is None or isinstance(file, int):
+            return None
+        p = os.path.abspath(os.fsdecode(file))
+        if os.path.commonpath([p, roots[0]]) != roots[0] or p == roots[0]:
+            return None
+        return _stripes.get(p, roots, write, self._h)
 
     # -- locked memory ---------------------------------------------------------------------
     def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any = None,
@@ -291,7 +418,13 @@ class aio_handle:  # noqa: N801  (DeepNVMe's spelling)
         return self._h
 
     def close(self) -> None:
+        with self._lock:
+            self._wait_striped()
         self._h.close()
+
+    def _wait_striped(self) -> None:
+        futs, self._striped_futs = self._striped_futs, []
+        concurrent.futures.wait(futs)
 
     def __enter__(self) -> aio_handle:
         return self
@@ -305,6 +438,8 @@ class aio_handle:  # noqa: N801  (DeepNVMe's spelling)
         h = getattr(self, "_h", None)
         if h is not None and not h.closed:
             try:
+                if getattr(self, "_striped_futs", None):
+                    self._wait_striped()
                 h.close()
             except Exception:
                 pass
@@ -314,9 +449,17 @@ class aio_handle:  # noqa: N801  (DeepNVMe's spelling)
         # One lock over submit-and-wait, as DeepNVMe's handle mutex: a synchronous call
         # from one thread is not counted in another thread's synchronous call.
         with self._lock:
-            fut: IOFuture = fn(buffer, file, file_offset, async_op=True)
+            striped = self._striped_file(file, fn.__name__ == "pwrite") if self._roots \
+                else None
+            fut: IOFuture
+            if striped is not None:
+                op = striped.pwrite if fn.__name__ == "pwrite" else striped.pread
+                fut = op(buffer, file_offset, async_op=True)     # type: ignore[assignment]
+                self._striped_futs.append(fut)
+            else:
+                fut = fn(buffer, file, file_offset, async_op=True)
             if validate:
-                self._to_validate.append((fut, buffer, file, file_offset))
+                self._to_validate.append((fut, buffer, striped or file, file_offset))
             if async_op:
                 return 0
             # DeepNVMe's synchronous calls wait for everything queued and return that count.
@@ -347,10 +490,16 @@ def _bytes_of(buffer: Any) -> bytes:
     return np.ascontiguousarray(buffer).tobytes()
 
 
-def _validate(buffer: Any, file: FileArg, file_offset: int) -> None:
+def _validate(buffer: Any, file: FileArg | StripedFile, file_offset: int) -> None:
     """Compare ``buffer`` with a plain read of the file; raise ValueError on a mismatch."""
     data = _bytes_of(buffer)
-    if isinstance(file, int):
+    disk: bytes | bytearray
+    if isinstance(file, StripedFile):
+        disk = bytearray(len(data))
+        if data:
+            file.pread(disk, file_offset)
+        file = file.name
+    elif isinstance(file, int):
         disk = os.pread(file, len(data), file_offset)
     else:
         with open(file, "rb") as f:
@@ -424,7 +573,10 @@ class gds_handle(aio_handle):  # noqa: N801  (DeepNVMe's spelling)
     """DeepNVMe-compatible GDS handle: CUDA tensors through cuFile, CPU tensors through AIO.
 
     Raises :class:`aioswap.errors.CuFileUnavailable` when cuFile or a GPU is missing.
+    Files are never striped (``AIOSWAP_NVME_PATHS``): cuFile reads and writes one file.
     """
+
+    _stripes = False
 
     def _new_handle(self, *knobs: Any) -> AioHandle:
         from aioswap.gds import GdsHandle
