@@ -574,6 +574,128 @@ def run_bench(directory: str, size: int, *, config: AioConfig, repeat: int, warm
             "rows": rows, "skipped": skipped, "notes": notes}
 
 
+def run_bench_drives(dirs: Sequence[str], size: int, *, config: AioConfig, repeat: int,
+                     warmup: int, ops: Sequence[str], progress: bool,
+                     err: IO[str]) -> dict[str, Any]:
+    """The drives together: ``size`` bytes from page-locked memory, (a) one file per drive,
+    ``size / N`` each, all at once (each drive on its own handle: the sum of the drives), and
+    (b) one file striped over the drives (``h.open([...])``, :mod:`aioswap.stripe`). Median
+    of the rounds, methods alternating; ratio = striped / all at once."""
+    torch = _need_torch("bench")
+    from aioswap import pinned
+    from aioswap.handle import AioHandle
+    from aioswap.stripe import default_stripe
+
+    n = len(dirs)
+    _check_memory(2 * size + _SLACK, f"aioswap bench --size {short_size(size)}")
+    per = -(-size // n // 4096) * 4096
+    total = per * n
+    gen = torch.Generator().manual_seed(4321)
+    ref = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=gen)
+    buf = pinned.empty(total, torch.uint8, strict=False)
+    handles = [AioHandle.from_config(config) for _ in dirs]
+    striped = handles[0]
+    try:
+        with contextlib.ExitStack() as stack:
+            paths = [stack.enter_context(_scratch(d, "bench")) for d in dirs]
+            parts = [stack.enter_context(_scratch(d, "stripe")) for d in dirs]
+            for p in parts:         # open_striped makes them (and their layouts) itself
+                os.unlink(p)
+            for p in parts:
+                stack.callback(_unlink_quiet, p + ".stripe.json")
+
+            def each(write: bool) -> None:
+                futs = [(h.pwrite(buf[i * per:(i + 1) * per], p, fsync=True, async_op=True)
+                         if write else h.pread(buf[i * per:(i + 1) * per], p, async_op=True))
+                        for i, (h, p) in enumerate(zip(handles, paths))]
+                for f in futs:
+                    f.result()
+
+            def stripe(write: bool) -> None:
+                with striped.open(list(parts), "w+" if write else "r") as f:
+                    if write:
+                        f.pwrite(buf, 0, fsync=True)
+                    else:
+                        f.pread(buf, 0)
+
+            def check() -> bool:
+                ok = bool(torch.equal(buf, ref))
+                buf.copy_(ref)
+                return ok
+
+            methods = [
+                _Method("each", f"aioswap, {n} drives at once (one file each)",
+                        lambda _: each(True), lambda _: each(False), check),
+                _Method("striped", f"aioswap, one file striped over the {n} drives",
+                        lambda _: stripe(True), lambda _: stripe(False), check),
+            ]
+            buf.copy_(ref)
+            bar = _Progress(total * len(methods) * len(ops) * (repeat + warmup),
+                            "aioswap bench (drives together)", progress, err)
+            try:
+                if ops == ["read"]:
+                    each(True)
+                    stripe(True)
+                for rnd in range(warmup + repeat):
+                    k = rnd % len(methods)
+                    for m in methods[k:] + methods[:k]:
+                        for op in ops:
+                            if op == "read":
+                                for p in paths + parts:
+                                    if os.path.exists(p):
+                                        drop_cache(p)
+                                buf.zero_()
+                            t0 = time.perf_counter()
+                            (m.write if op == "write" else m.read)("")
+                            dt = time.perf_counter() - t0
+                            if rnd >= warmup:
+                                m.times[op].append(dt)
+                            bar.step(total, f"{m.key} {op}")
+                            if op == "read" and not m.check():
+                                raise RuntimeError(f"{m.label} read back different bytes")
+            finally:
+                bar.close()
+    finally:
+        for h in handles:
+            h.close()
+    rows = []
+    for m in methods:
+        row: dict[str, Any] = {"method": m.label}
+        for op in ops:
+            row[op] = _summary(total, m.times[op])
+        rows.append(row)
+    ratio = {op: (rows[1][op]["GBps"] / rows[0][op]["GBps"]) for op in ops}
+    return {"directories": list(dirs), "size_bytes": total, "size": format_size(total),
+            "stripe_unit": default_stripe(striped), "rows": rows,
+            "ratio_striped_vs_at_once": ratio, "repeat": repeat, "warmup": warmup,
+            "ops": list(ops)}
+
+
+def _unlink_quiet(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _format_drives(res: dict[str, Any]) -> str:
+    ops = res["ops"]
+    lines = [f"drives together: {res['size']} over {len(res['directories'])} directories "
+             f"({', '.join(res['directories'])}); stripe unit "
+             f"{format_size(res['stripe_unit'])}; ratio = striped / all at once", ""]
+    width = max(len(r["method"]) for r in res["rows"]) + 2
+    head = f"{'method':<{width}}" + "".join(
+        f"{op + ' GB/s':>12}{'(min-max)':>15}" for op in ops)
+    lines.append(head)
+    for row in res["rows"]:
+        line = f"{row['method']:<{width}}"
+        for op in ops:
+            st = row[op]
+            line += f"{st['GBps']:>12.2f}{'(%.2f-%.2f)' % (st['min'], st['max']):>15}"
+        lines.append(line)
+    lines.append("striped / at once: " + ", ".join(
+        f"{op} {res['ratio_striped_vs_at_once'][op]:.2f}" for op in ops))
+    return "\n".join(lines)
+
+
 def _bench_methods(torch: Any, handles: list[tuple[str, Any]], gds_handle: Any, ref: Any,
                    plain: Any, locked: Any, gpu: Any, size: int) -> list[_Method]:
     methods: list[_Method] = []
@@ -693,17 +815,31 @@ def _format_bench(res: dict[str, Any]) -> str:
 
 
 def cmd_bench(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
-    directory = _check_dir(args.dir)
+    dirs = [_check_dir(d) for d in (args.dir or ["."])]
+    if len({os.path.realpath(d) for d in dirs}) != len(dirs):
+        raise UsageError(f"--dir names a directory twice: {', '.join(dirs)}")
     config = _config_from_args(args)
     ops = ["write", "read"]
     if args.read_only:
         ops = ["read"]
     elif args.write_only:
         ops = ["write"]
-    res = run_bench(directory, args.size, config=config, repeat=args.repeat, warmup=args.warmup,
-                    ops=ops, gds=args.gds, progress=not args.no_progress, err=err,
-                    backends=_backends_from_args(args, True))
-    out.write((json.dumps(res, indent=2) if args.json else _format_bench(res)) + "\n")
+    results = [run_bench(d, args.size, config=config, repeat=args.repeat, warmup=args.warmup,
+                         ops=ops, gds=args.gds, progress=not args.no_progress, err=err,
+                         backends=_backends_from_args(args, True)) for d in dirs]
+    if len(dirs) == 1:
+        out.write((json.dumps(results[0], indent=2) if args.json
+                   else _format_bench(results[0])) + "\n")
+        out.flush()
+        return 0
+    together = run_bench_drives(dirs, args.size, config=config, repeat=args.repeat,
+                                warmup=args.warmup, ops=ops, progress=not args.no_progress,
+                                err=err)
+    if args.json:
+        out.write(json.dumps({"drives": results, "together": together}, indent=2) + "\n")
+    else:
+        blocks = [_format_bench(r) for r in results] + [_format_drives(together)]
+        out.write("\n\n".join(blocks) + "\n")
     out.flush()
     return 0
 
@@ -957,7 +1093,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "memory, bounced from ordinary memory, cuFile with --gds) "
                                     "and with buffered Python I/O; median of --repeat rounds, "
                                     "methods alternating. " + UNITS_NOTE + ".")
-    pb.add_argument("--dir", default=".", help="directory for the scratch file (default: .)")
+    pb.add_argument("--dir", action="append", default=None,
+                    help="directory for the scratch file (default: .); repeat it for several "
+                         "drives: each is measured alone, then all together (one file per "
+                         "drive at once, and one file striped over them)")
     pb.add_argument("--size", type=_size_type(MIN_BENCH_SIZE), default=1 << 30,
                     help="bytes per transfer, K/M/G are powers of 1024, at least 1M "
                          "(default: 1G)")

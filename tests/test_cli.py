@@ -367,6 +367,44 @@ def test_bench_json_in_process(disk: Path, capsys: pytest.CaptureFixture[str]) -
     assert listing(disk) == before
 
 
+def test_bench_several_drives(disk: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Several --dir: each directory measured alone, then together (one file per drive at
+    once, and one file striped over them), read back checked; nothing left behind."""
+    dirs = [disk / "d0", disk / "d1", disk / "d2"]
+    for d in dirs:
+        d.mkdir()
+    before = {d: listing(d) for d in dirs}
+    argv = ["bench", "--size", "3M", "--repeat", "2", "--json"]
+    for d in dirs:
+        argv += ["--dir", str(d)]
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [r["directory"] for r in res["drives"]] == [str(d.resolve()) for d in dirs]
+    for r in res["drives"]:
+        assert [row["method"] for row in r["rows"]][-1] == "python buffered"
+    tog = res["together"]
+    assert tog["directories"] == [str(d.resolve()) for d in dirs]
+    assert tog["size_bytes"] >= 3 * MiB and tog["size_bytes"] % (3 * 4096) == 0
+    labels = [row["method"] for row in tog["rows"]]
+    assert labels == ["aioswap, 3 drives at once (one file each)",
+                      "aioswap, one file striped over the 3 drives"]
+    for op in ("write", "read"):
+        each, striped = (row[op] for row in tog["rows"])
+        assert len(each["all"]) == 2 and len(striped["all"]) == 2
+        assert tog["ratio_striped_vs_at_once"][op] == pytest.approx(
+            striped["GBps"] / each["GBps"])
+    assert {d: listing(d) for d in dirs} == before
+    # text: a block per drive, then the drives together
+    done = run_cli("bench", "--dir", dirs[0], "--dir", dirs[1], "--size", "2M",
+                   "--repeat", "1")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("aioswap bench: 2 MiB in") == 2
+    assert "drives together: 2 MiB over 2 directories" in done.stdout
+    assert "striped / at once: write" in done.stdout
+    done = run_cli("bench", "--dir", dirs[0], "--dir", dirs[0], "--size", "1M")
+    assert done.returncode == 2 and "twice" in done.stderr
+
+
 def test_bench_knobs(disk: Path) -> None:
     """ds_io's knobs: parallelism, submit/overlap, read-only, warm-up; odd block sizes."""
     done = run_cli("bench", "--dir", disk, "--size", "2M", "--repeat", "1", "--warmup", "1",
