@@ -579,8 +579,9 @@ def run_bench_drives(dirs: Sequence[str], size: int, *, config: AioConfig, repea
                      err: IO[str]) -> dict[str, Any]:
     """The drives together: ``size`` bytes from page-locked memory, (a) one file per drive,
     ``size / N`` each, all at once (each drive on its own handle: the sum of the drives), and
-    (b) one file striped over the drives (``h.open([...])``, :mod:`aioswap.stripe`). Median
-    of the rounds, methods alternating; ratio = striped / all at once."""
+    (b) one file striped over the drives (``h.open([...])``, :mod:`aioswap.stripe`). Every
+    write makes its files anew (truncated, then written and fsynced). Median of the rounds,
+    methods alternating; ratio = striped / all at once."""
     torch = _need_torch("bench")
     from aioswap import pinned
     from aioswap.handle import AioHandle
@@ -605,6 +606,9 @@ def run_bench_drives(dirs: Sequence[str], size: int, *, config: AioConfig, repea
                 stack.callback(_unlink_quiet, p + ".stripe.json")
 
             def each(write: bool) -> None:
+                if write:           # new files, as the striped one is (w+)
+                    for p in paths:
+                        os.truncate(p, 0)
                 futs = [(h.pwrite(buf[i * per:(i + 1) * per], p, fsync=True, async_op=True)
                          if write else h.pread(buf[i * per:(i + 1) * per], p, async_op=True))
                         for i, (h, p) in enumerate(zip(handles, paths))]
