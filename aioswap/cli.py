@@ -928,8 +928,13 @@ def run_tune(*, dirs: Sequence[str], io_size: int, direction: tune_mod.Direction
         raise UsageError(f"{', '.join(str(d) for d in dirs)}: {os.strerror(code)} (the disk, a "
                          f"quota or ulimit -f ran out: free space or use a smaller --io-size); "
                          f"logs in {report.log_dir}")
+    drives = (_per_drive(report, dirs, io_size, direction, use_gds, repeat)
+              if measure is None and len(dirs) > 1 and report.best is not None else None)
     if as_json:
-        out.write(json.dumps(report.to_json_dict(), indent=2) + "\n")
+        doc = report.to_json_dict()
+        if drives is not None:
+            doc["drives"] = drives
+        out.write(json.dumps(doc, indent=2) + "\n")
     else:
         where = ", ".join(str(d) for d in dirs)
         out.write(f"aioswap tune: {format_size(io_size)} per point and direction in {where}, "
@@ -940,6 +945,8 @@ def run_tune(*, dirs: Sequence[str], io_size: int, direction: tune_mod.Direction
             out.write(f"\nbest \"aio\" section ({report.evaluations} of {report.grid_size} "
                       f"grid points measured, picked by {t.report.picked_by(direction)}):\n")
             out.write(best_json + "\n")
+        if drives is not None:
+            out.write("\n" + _format_per_drive(drives) + "\n")
     out.flush()
     err.write(f"aioswap tune: logs in {report.log_dir}\n")
     if best_json is None:
@@ -953,6 +960,62 @@ def run_tune(*, dirs: Sequence[str], io_size: int, direction: tune_mod.Direction
         t.plot(report.results, plot, title=title, direction=direction)
         err.write(f"aioswap tune: heat map in {plot}\n")
     return 0
+
+
+def _per_drive(report: Any, dirs: Sequence[str], io_size: int,
+               direction: tune_mod.Direction, use_gds: bool, repeat: int) -> dict[str, Any]:
+    """The best section on each drive alone (its share of ``io_size``, as in the sweep),
+    their sum, and the sweep's figure for all of them together."""
+    from aioswap import tune as t
+    best = report.best
+    point = t.SweepPoint(block_size=best.block_size, queue_depth=best.queue_depth,
+                         single_submit=best.single_submit, overlap_events=best.overlap_events,
+                         intra_op_parallelism=best.intra_op_parallelism)
+    ops = [op for op in ("write", "read") if direction in (op, "both")]
+    from aioswap.tune.measure import split
+    shares = split(io_size, len(dirs))
+    rows = []
+    for d, share in zip(dirs, shares):
+        row: dict[str, Any] = {"directory": str(d)}
+        for r in t.run_point(point, [d], share, direction, use_gds=use_gds, repeat=repeat):
+            row[r.direction] = r.gbps
+            if r.error is not None:
+                row[f"{r.direction}_error"] = r.error
+        rows.append(row)
+    together: dict[str, Any] = {}
+    for r in report.results:
+        if r.ok and r.point == point:
+            together[r.direction] = r.gbps
+    total = {op: (sum(row[op] for row in rows) if all(row.get(op) for row in rows) else None)
+             for op in ops}
+    return {"point": best.to_dict(), "ops": ops, "each": rows, "sum": total,
+            "together": together,
+            "together_vs_sum": {op: (together[op] / total[op]
+                                     if together.get(op) and total[op] else None)
+                                for op in ops}}
+
+
+def _format_per_drive(d: dict[str, Any]) -> str:
+    ops = d["ops"]
+    width = max([16] + [len(r["directory"]) + 2 for r in d["each"]])
+
+    def cell(v: float | None) -> str:
+        return f"{'-' if v is None else f'{v:.2f}':>12}"
+    lines = ["the best section on each drive alone (its share of --io-size), their sum, and "
+             "all together (the sweep):",
+             f"{'':<{width}}" + "".join(f"{op + ' GB/s':>12}" for op in ops)]
+    for r in d["each"]:
+        lines.append(f"{r['directory']:<{width}}" + "".join(cell(r.get(op)) for op in ops))
+    lines.append(f"{'sum':<{width}}" + "".join(cell(d["sum"][op]) for op in ops))
+    lines.append(f"{'together':<{width}}"
+                 + "".join(cell(d["together"].get(op)) for op in ops))
+    lines.append(f"{'together / sum':<{width}}"
+                 + "".join(cell(d["together_vs_sum"][op]) for op in ops))
+    for r in d["each"]:
+        for op in ops:
+            if r.get(f"{op}_error"):
+                lines.append(f"note: {r['directory']} {op}: {r[f'{op}_error']}")
+    return "\n".join(lines)
 
 
 def _check_plot_format(target: str) -> None:

@@ -405,6 +405,34 @@ def test_bench_several_drives(disk: Path, capsys: pytest.CaptureFixture[str]) ->
     assert done.returncode == 2 and "twice" in done.stderr
 
 
+def test_tune_several_drives_reports_each_and_the_sum(disk: Path) -> None:
+    """tune over several --dir: the best section measured on each drive alone (its share),
+    their sum, and the sweep's figure for all together (text and JSON)."""
+    dirs = [disk / "t0", disk / "t1"]
+    for d in dirs:
+        d.mkdir()
+    done = run_cli("tune", "--dir", dirs[0], "--dir", dirs[1], "--io-size", "16M", "--quick",
+                   "--repeat", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    drv = doc["drives"]
+    assert drv["point"] == doc["aio"]
+    assert [r["directory"] for r in drv["each"]] == [str(d) for d in dirs]
+    for op in ("write", "read"):
+        each = [r[op] for r in drv["each"]]
+        assert all(v is not None and v > 0 for v in each), drv
+        assert drv["sum"][op] == pytest.approx(sum(each))
+        assert drv["together"][op] > 0
+        assert drv["together_vs_sum"][op] == pytest.approx(drv["together"][op] / sum(each))
+    done = run_cli("tune", "--dir", dirs[0], "--dir", dirs[1], "--io-size", "16M", "--quick",
+                   "--repeat", "1", "--no-read")
+    assert done.returncode == 0, done.stderr
+    assert "the best section on each drive alone" in done.stdout
+    assert "together / sum" in done.stdout and "read GB/s" not in done.stdout.split(
+        "each drive alone")[1]
+    assert all(listing(d) == [] for d in dirs)
+
+
 def test_bench_knobs(disk: Path) -> None:
     """ds_io's knobs: parallelism, submit/overlap, read-only, warm-up; odd block sizes."""
     done = run_cli("bench", "--dir", disk, "--size", "2M", "--repeat", "1", "--warmup", "1",
