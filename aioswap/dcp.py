@@ -346,6 +346,13 @@ class AioWriter(FileSystemWriter):
         Keep the page-locked copy made by :meth:`stage` for the next ``async_save``.
     handle : AioHandle, optional
         Handle to move the bytes (not closed here); by default one ``AioHandle()`` per save.
+    roots : sequence of paths, optional
+        More directories, one per other drive: a rank's files are spread over ``path`` and
+        these (file ``k`` on directory ``k mod (1 + len(roots))``; ``files_per_rank``
+        defaults to that count). A file on another drive is linked from ``path`` by an
+        absolute symbolic link made before it is written, so every reader (the stock
+        ``FileSystemReader`` too) finds it through ``path``, and replacing the checkpoint
+        removes the link and its file.
 
     Notes
     -----
@@ -357,9 +364,16 @@ class AioWriter(FileSystemWriter):
     """
 
     def __init__(self, path: str | os.PathLike[str], *, single_file_per_rank: bool = True,
-                 files_per_rank: int = 1, sync_files: bool = True, overwrite: bool = True,
-                 cache_staged_state_dict: bool = False,
-                 handle: AioHandle | None = None) -> None:
+                 files_per_rank: int | None = None, sync_files: bool = True,
+                 overwrite: bool = True, cache_staged_state_dict: bool = False,
+                 handle: AioHandle | None = None,
+                 roots: Sequence[str | os.PathLike[str]] | None = None) -> None:
+        extra = [os.path.abspath(os.fspath(r)) for r in roots or ()]
+        if len({os.path.realpath(d) for d in [os.fspath(path), *extra]}) != 1 + len(extra):
+            raise ValueError(f"the checkpoint directory and the roots must be distinct: "
+                             f"{[os.fspath(path), *extra]}")
+        if files_per_rank is None:
+            files_per_rank = 1 + len(extra)
         if int(files_per_rank) < 1:
             raise ValueError(f"files_per_rank must be >= 1, got {files_per_rank}")
         super().__init__(path, single_file_per_rank=single_file_per_rank,
@@ -367,6 +381,7 @@ class AioWriter(FileSystemWriter):
                          overwrite=overwrite, cache_staged_state_dict=cache_staged_state_dict)
         self._handle = handle
         self._staged: Any = None
+        self._roots = extra
 
     def __getstate__(self) -> dict[str, Any]:
         # for async_save in a checkpoint process: handles and staged memory stay here
@@ -404,9 +419,10 @@ class AioWriter(FileSystemWriter):
             buckets = [[item] for item in plan.items]
         results: list[WriteResult] = []
         files: list[_FilePlan] = []
+        homes = [root] + [Path(r) for r in self._roots]
         for k, bucket in enumerate(buckets):
             name = f"{prefix}{k}{DEFAULT_SUFFIX}"
-            fp = _FilePlan(root / name, name)
+            fp = _FilePlan(homes[k % len(homes)] / name, name)
             results += self._lay_out(fp, bucket, planner)
             files.append(fp)
         self._write_files(files)
@@ -446,7 +462,12 @@ class AioWriter(FileSystemWriter):
         with _handles.borrow(self._handle) as h:
             try:
                 at = 0
+                root = Path(self.path)
                 for fp, size in zip(files, sizes):
+                    link = root / fp.name
+                    if fp.path != link:             # on another drive: linked first, so a
+                        fp.path.parent.mkdir(parents=True, exist_ok=True)  # failed save's
+                        os.symlink(fp.path, link)   # file is found and removed as stale
                     f = h.open(fp.path, "w")        # 0600, O_DIRECT where allowed
                     fds.append(f)
                     os.ftruncate(f.fileno(), size)
@@ -466,6 +487,8 @@ class AioWriter(FileSystemWriter):
                     if self.sync_files:
                         for f in fds:
                             f.fsync()
+                        for d in {fp.path.parent for fp in files} - {Path(self.path)}:
+                            fsync_dir(d)            # the files on the other drives
                 finally:
                     for f in fds:
                         f.close()
@@ -513,8 +536,13 @@ class AioWriter(FileSystemWriter):
             if m and (rank is None or int(m.group(1)) == rank):
                 stale.add(entry)
         for name in stale - current:
+            link = root / name
             try:
-                os.unlink(root / name)
+                if link.is_symlink():               # a file on another drive (roots=)
+                    target = Path(os.readlink(link))
+                    if target.is_absolute() and target.name == name:
+                        target.unlink(missing_ok=True)
+                os.unlink(link)
             except FileNotFoundError:
                 pass
 

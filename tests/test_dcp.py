@@ -359,6 +359,37 @@ def test_roundtrip_single_process(tmp_dir: Path, writer: str, reader: str) -> No
     _assert_same(got, sd)
 
 
+@pytest.mark.parametrize("reader", ["aio", "stock"])
+def test_roots_spread_a_ranks_files_over_drives(tmp_dir: Path, reader: str) -> None:
+    """AioWriter(roots=...): a rank's files spread over the checkpoint directory and the
+    roots, each found through a link in the checkpoint directory by both readers; a new
+    save replaces them on every drive, leaving no file of the old one."""
+    ckpt, roots = tmp_dir / "ckpt", [tmp_dir / "nvme1" / "ck", tmp_dir / "nvme2" / "ck"]
+    sd = _random_state()
+    _save(sd, AioWriter(ckpt, roots=roots))
+    for d in [ckpt, *roots]:
+        assert list(d.glob("__0_*.distcp")), d          # each drive holds one of the files
+    links = [p for p in ckpt.glob("__0_*.distcp") if p.is_symlink()]
+    assert len(links) == 2
+    assert {Path(os.readlink(p)).parent for p in links} == {r.resolve() for r in roots}
+    for p in [ckpt, *roots]:
+        for f in p.glob("__0_*.distcp"):
+            if not f.is_symlink():
+                assert (f.stat().st_mode & 0o777) == 0o600, f
+    read = AioReader(ckpt) if reader == "aio" else FileSystemReader(ckpt)
+    _assert_same(_load(_zeros_like(sd), read), sd)
+    old = {p.name for d in [ckpt, *roots] for p in d.glob("__0_*.distcp")}
+    sd2 = _random_state()
+    sd2["w"] += 1
+    _save(sd2, AioWriter(ckpt, roots=roots))
+    now = {p.name for d in [ckpt, *roots] for p in d.glob("__0_*.distcp")}
+    assert not (old & now) and len(now) == 3            # the old files are gone everywhere
+    read = AioReader(ckpt) if reader == "aio" else FileSystemReader(ckpt)
+    _assert_same(_load(_zeros_like(sd2), read), sd2)
+    with pytest.raises(ValueError, match="distinct"):
+        AioWriter(ckpt, roots=[ckpt])
+
+
 def test_bytes_on_disk_match_stock_blobs(tmp_dir: Path) -> None:
     """Each tensor's blob is a torch.save archive whose data sits at the recorded offset."""
     sd = {"a": torch.randn(3000, 5), "b": torch.arange(7)}
