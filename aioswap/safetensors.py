@@ -35,6 +35,7 @@ file is renamed over ``filename`` (a crash never leaves a half-written checkpoin
 from __future__ import annotations
 
 import collections
+import contextlib
 import concurrent.futures
 import errno
 import json
@@ -45,7 +46,7 @@ import secrets
 import stat
 import struct
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Union
@@ -75,6 +76,7 @@ __all__ = [
     "safe_open",
     "save",
     "save_file",
+    "save_sharded",
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -747,6 +749,114 @@ def save_file(tensors: Mapping[str, torch.Tensor], filename: PathLike,
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
+
+
+def save_sharded(tensors: Mapping[str, torch.Tensor], directory: PathLike, *,
+                 roots: Sequence[PathLike] | None = None, max_shard_bytes: int | None = None,
+                 prefix: str = "model", metadata: Mapping[str, str] | None = None,
+                 handle: AioHandle | None = None, mode: int = 0o600) -> str:
+    """Save ``tensors`` as shards with a Hugging Face index, spread over several drives.
+
+    The layout is what ``save_pretrained`` writes and ``from_pretrained`` reads:
+    ``<prefix>-00001-of-0000N.safetensors``... and ``<prefix>.safetensors.index.json``
+    (``{"metadata": {"total_size": ...}, "weight_map": {name: shard}}``) in ``directory``.
+    Shard ``i`` is written (with :func:`save_file`: direct I/O, durable, atomic) on
+    ``[directory, *roots][i mod (1 + len(roots))]``, all shards at once; a shard on another
+    drive is linked from ``directory`` by an absolute symbolic link, so every reader finds
+    it there. The index is written last (atomically): a crash before it leaves the old
+    index. Shards of an earlier save with another shard count are left alone.
+
+    Parameters
+    ----------
+    tensors : dict of str to torch.Tensor
+        As for :func:`save_file`; split in their order.
+    directory : str or os.PathLike
+        Where the index and (links to) every shard go; created if missing.
+    roots : sequence of paths, optional
+        Directories on the other drives (created if missing).
+    max_shard_bytes : int, optional
+        Cap on the tensor bytes of one shard (a larger tensor gets a shard of its own);
+        default: the total divided evenly over the drives, so each holds one shard.
+    prefix : str
+        File name prefix (``"model"``, as transformers names them).
+    metadata : dict of str to str, optional
+        Stored in every shard (default ``{"format": "pt"}``, what transformers writes).
+    handle : AioHandle, optional
+        As for :func:`save_file`.
+    mode : int
+        Permission bits of the shards and the index (``0o600``).
+
+    Returns
+    -------
+    str
+        The path of the index file.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    homes = [directory] + [os.path.abspath(os.fspath(r)) for r in roots or ()]
+    if len({os.path.realpath(h) for h in homes}) != len(homes):
+        raise ValueError(f"the directory and the roots must be distinct: {homes}")
+    if max_shard_bytes is not None and max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    _check_inputs(tensors, metadata)
+    if not prefix or os.sep in prefix:
+        raise ValueError(f"prefix must be a file name prefix, got {prefix!r}")
+    sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+    total = sum(sizes.values())
+    cap = max_shard_bytes if max_shard_bytes is not None else max(1, -(-total // len(homes)))
+    groups: list[list[str]] = []
+    held = 0
+    for k in tensors:
+        # by default at most one shard per drive: the last takes what the others left
+        if not groups or (groups[-1] and held + sizes[k] > cap and (
+                max_shard_bytes is not None or len(groups) < len(homes))):
+            groups.append([])
+            held = 0
+        groups[-1].append(k)
+        held += sizes[k]
+    n = len(groups)
+    names = [f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for h in homes:
+        os.makedirs(h, mode=0o700, exist_ok=True)
+    md = dict(metadata) if metadata is not None else {"format": "pt"}
+
+    def write(i: int) -> None:
+        home = homes[i % len(homes)]
+        target = os.path.join(home, names[i])
+        save_file({k: tensors[k] for k in groups[i]}, target, md, handle=handle, mode=mode)
+        if home != directory:       # linked from the directory (replacing what was there)
+            link = os.path.join(directory, names[i])
+            tmp = f"{link}.{os.getpid()}-{secrets.token_hex(6)}.link"
+            os.symlink(target, tmp)
+            try:
+                os.replace(tmp, link)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+
+    with concurrent.futures.ThreadPoolExecutor(
+            min(n, len(homes)), thread_name_prefix="aioswap-shard") as pool:
+        futures = [pool.submit(write, i) for i in range(n)]
+        wait_all(futures)
+    for h in set(homes):
+        fsync_dir(h)
+    index = os.path.join(directory, f"{prefix}.safetensors.index.json")
+    doc = {"metadata": {"total_size": total},
+           "weight_map": {k: names[i] for i, g in enumerate(groups) for k in g}}
+    tmp = f"{index}.{os.getpid()}-{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, index)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(directory)
+    return index
 
 
 def _open_tmp(directory: str, tmp: str, mode: int) -> tuple[int, bool]:

@@ -589,3 +589,47 @@ def test_benchmark_json(tmp_dir: Path) -> None:
     assert res["ratios"]["aioswap/direct load"] == pytest.approx(
         res["methods"]["aioswap"]["load_GBps"] / res["methods"]["direct"]["load_GBps"])
     assert list(tmp_dir.iterdir()) == []
+
+
+def test_save_sharded_over_drives_loads_everywhere(tmp_dir: Path) -> None:
+    """save_sharded: Hugging Face shards and index, shards on every drive and linked from the
+    directory; stock safetensors, aioswap and transformers' from_pretrained read it."""
+    import json
+
+    import safetensors.torch as st
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    out, roots = tmp_dir / "model", [tmp_dir / "nvme1" / "m", tmp_dir / "nvme2" / "m"]
+    index = ast.save_sharded(sd, out, roots=roots)
+    cfg.save_pretrained(out)
+    doc = json.loads(Path(index).read_text())
+    shards = sorted(set(doc["weight_map"].values()))
+    assert shards == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert set(doc["weight_map"]) == set(sd)
+    assert doc["metadata"]["total_size"] == sum(t.nbytes for t in sd.values())
+    assert (out / shards[0]).is_file() and not (out / shards[0]).is_symlink()
+    for shard, root in zip(shards[1:], roots):
+        link = out / shard
+        assert link.is_symlink() and Path(os.readlink(link)) == (root / shard).absolute()
+        assert ((root / shard).stat().st_mode & 0o777) == 0o600
+    got: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        part = st.load_file(str(out / shard))
+        assert ast.load_file(out / shard).keys() == part.keys()
+        got.update(part)
+    assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+    back = transformers.LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.bfloat16)
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+    with pytest.raises(ValueError, match="distinct"):
+        ast.save_sharded(sd, out, roots=[out])
+    # one shard per tensor group under a cap, all in the directory without roots
+    one = tmp_dir / "one"
+    ast.save_sharded(sd, one, max_shard_bytes=64 << 10)
+    n = len(list(one.glob("model-*.safetensors")))
+    assert n > 3 and not any(p.is_symlink() for p in one.iterdir())
