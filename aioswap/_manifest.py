@@ -192,15 +192,7 @@ class SwapDirectory:
                 os.fchmod(self.dir_fd, _dir_mode(mode))     # exact, whatever the umask
             self._lock()
             if created:
-                fd = self.create(CREATED_NAME)
-                try:
-                    os.write(fd, b"created by aioswap.TensorSwapper; destroy() removes this "
-                                 b"directory\n")
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                self.fsync()
-                fsync_dir(os.path.dirname(path))
+                self._mark_created(path)
             self.created = created or os.path.exists(os.path.join(path, CREATED_NAME))
             for d in extra or ():
                 made = False
@@ -215,23 +207,28 @@ class SwapDirectory:
                                                      f"not a directory") from None
                 self.extra.append(d)
                 self._extra_locks.append(self._lock_at(d))
-                marker = os.path.join(d, CREATED_NAME)
                 if made:
-                    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-                                 | os.O_NOFOLLOW, mode)
-                    try:
-                        os.write(fd, b"created by aioswap.TensorSwapper; destroy() removes "
-                                     b"this directory\n")
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-                    fsync_dir(d)
-                    fsync_dir(os.path.dirname(d))
-                if made or os.path.exists(marker):
+                    self._mark_created(d)
+                if made or os.path.exists(os.path.join(d, CREATED_NAME)):
                     self.extra_created.append(d)
         except BaseException:
             self.close()
             raise
+
+    def _mark_created(self, d: str) -> None:
+        """Leave the marker that says aioswap created directory ``d``, durably."""
+        fd = os.open(os.path.join(d, CREATED_NAME),
+                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     self.mode)
+        try:
+            os.fchmod(fd, self.mode)
+            os.write(fd, b"created by aioswap.TensorSwapper; destroy() removes this "
+                         b"directory\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(d)
+        fsync_dir(os.path.dirname(d))
 
     @property
     def striped(self) -> bool:

@@ -690,11 +690,7 @@ def _format_drives(res: dict[str, Any]) -> str:
         f"{op + ' GB/s':>12}{'(min-max)':>15}" for op in ops)
     lines.append(head)
     for row in res["rows"]:
-        line = f"{row['method']:<{width}}"
-        for op in ops:
-            st = row[op]
-            line += f"{st['GBps']:>12.2f}{'(%.2f-%.2f)' % (st['min'], st['max']):>15}"
-        lines.append(line)
+        lines.append(f"{row['method']:<{width}}" + "".join(_rate_cells(row[op]) for op in ops))
     lines.append("striped / at once: " + ", ".join(
         f"{op} {res['ratio_striped_vs_at_once'][op]:.2f}" for op in ops))
     return "\n".join(lines)
@@ -780,6 +776,11 @@ def _bench_rounds(methods: list[_Method], path: str, size: int, repeat: int, war
     return {m.key: {"times": m.times} for m in methods}
 
 
+def _rate_cells(s: dict[str, Any]) -> str:
+    """A figure's median GB/s and its (min-max) range, as bench's tables show them."""
+    return f"{s['GBps']:>12.2f}{'(%.2f-%.2f)' % (s['min'], s['max']):>15}"
+
+
 def _format_bench(res: dict[str, Any]) -> str:
     c = res["config"]
     lines = [
@@ -803,10 +804,7 @@ def _format_bench(res: dict[str, Any]) -> str:
         head += f"{op + ' ratio':>12}"
     lines.append(head)
     for row in res["rows"]:
-        line = f"{row['method']:<{width}}"
-        for op in ops:
-            s = row[op]
-            line += f"{s['GBps']:>12.2f}{'(%.2f-%.2f)' % (s['min'], s['max']):>15}"
+        line = f"{row['method']:<{width}}" + "".join(_rate_cells(row[op]) for op in ops)
         for op in ops:
             r = row[f"{op}_ratio"]
             line += f"{'-' if r is None else f'{r:.2f}':>12}"

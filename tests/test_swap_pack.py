@@ -29,7 +29,8 @@ def _manifest(d: Path) -> dict:
 
 
 def _packs(d: Path) -> list[str]:
-    return sorted(p.name for p in d.iterdir() if p.name.startswith("p-"))
+    return sorted(p.name for p in d.iterdir()
+                  if p.name.startswith("p-") and p.name.endswith(".bin"))
 
 
 def _gen(seed: int = 7) -> torch.Generator:
@@ -263,9 +264,9 @@ _PACK_CRASH_CHILD = """
     import sys, torch
     import aioswap
     from aioswap.swap import TensorSwapper
-    d, which = sys.argv[1], sys.argv[2]
+    roots, which = sys.argv[1].split(","), sys.argv[2]
     h = aioswap.AioHandle(block_size=64 * 1024, queue_depth=1)    # slow enough to be killed
-    sw = TensorSwapper(d, handle=h)
+    sw = TensorSwapper(roots, handle=h)     # several: every pack striped over them
     def sd(v):
         return {f"w{i}": torch.full((1000 + i,), float(v)) for i in range(20)} | {
             "big": torch.full((64 * 2**20 // 4,), float(v))}
@@ -280,15 +281,19 @@ _PACK_CRASH_CHILD = """
 
 
 @pytest.mark.slow
-def test_sigkill_during_packed_save_keeps_one_whole_dict(tmp_dir: Path) -> None:
-    d = tmp_dir / "crash"
+@pytest.mark.parametrize("drives", [1, 3])
+def test_sigkill_during_packed_save_keeps_one_whole_dict(tmp_dir: Path, drives: int) -> None:
+    """SIGKILL early, mid-write and late in an overwriting save: the old or the new dict,
+    whole; the loser's files are gone (with 3 directories: on every drive)."""
+    dirs = [tmp_dir / f"crash{i}" for i in range(drives)]
+    arg = ",".join(str(x) for x in dirs)
     code = textwrap.dedent(_PACK_CRASH_CHILD)
-    r = subprocess.run([sys.executable, "-c", code, str(d), "first"], capture_output=True,
+    r = subprocess.run([sys.executable, "-c", code, arg, "first"], capture_output=True,
                        text=True, timeout=120, cwd=ROOT, check=False)
     assert "READY" in r.stdout, r.stderr
     seen = set()
     for delay in (0.05, 0.5, 2.0):          # early, mid-write, and (likely) after the commit
-        p = subprocess.Popen([sys.executable, "-c", code, str(d), "second"],
+        p = subprocess.Popen([sys.executable, "-c", code, arg, "second"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              cwd=ROOT)
         try:
@@ -304,7 +309,7 @@ def test_sigkill_during_packed_save_keeps_one_whole_dict(tmp_dir: Path) -> None:
             for s in (p.stdout, p.stderr):
                 if s:
                     s.close()
-        with TensorSwapper(d, verify=True) as sw:
+        with TensorSwapper(dirs, verify=True) as sw:
             got = sw.swap_in_state_dict("sd/")
             values = {float(v.reshape(-1)[0]) for v in got.values()}
             assert values in ({1.0}, {2.0}), values        # the old or the new, whole
@@ -313,7 +318,8 @@ def test_sigkill_during_packed_save_keeps_one_whole_dict(tmp_dir: Path) -> None:
             for k, t in got.items():
                 assert bool((t == v).all()), k
             assert len(got) == 21
-        assert len(_packs(d)) == 1                          # the loser was removed
+        for x in dirs:
+            assert len(_packs(x)) == 1                      # the loser was removed
     assert 1.0 in seen                                      # at least one kill mid-save
 
 
