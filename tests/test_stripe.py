@@ -160,7 +160,10 @@ def test_dynamic_units_follow_the_free_drive(tmp_path: Path) -> None:
     with aioswap.AioHandle() as h:
         with h.open(parts, "w+", stripe=UNIT) as f:
             slow = f.handles[0]
-            # the first part's drive finishes each unit 50 ms late
+            # the first part's drive finishes each unit 50 ms late (the parts, on one disk
+            # here, are told they are separate drives: the file would rightly time them as
+            # one, as parts on one device are)
+            f._peers = [[i] for i in range(len(parts))]
             orig = f._files[0].pwrite
 
             def late(view, off, async_op=False):         # type: ignore[no-untyped-def]
@@ -182,7 +185,8 @@ def test_dynamic_units_follow_the_free_drive(tmp_path: Path) -> None:
 
 def _slow_drive(f: StripedFile, part: int, delay: float) -> None:
     """Part ``part``'s writes finish ``delay`` seconds late (a drive at a fraction of the
-    speed of the others)."""
+    speed of the others; the parts, on one disk in tests, are made separate drives)."""
+    f._peers = [[i] for i in range(len(f.paths))]
     orig = f._files[part].pwrite
 
     def late(view, off, async_op=False):                 # type: ignore[no-untyped-def]
@@ -191,6 +195,23 @@ def _slow_drive(f: StripedFile, part: int, delay: float) -> None:
         threading.Timer(delay, lambda: out.set_result(real.result())).start()
         return out
     f._files[part].pwrite = late                         # type: ignore[method-assign]
+
+
+def test_parts_on_one_device_share_units_evenly(tmp_path: Path) -> None:
+    """Parts on one device are one drive to the dispatcher: a large write spreads its units
+    evenly over them (timed apart, one part of four took 40% of them), byte-exact back."""
+    parts = _parts(tmp_path, 4)
+    data = _rand(256 * UNIT + 17)
+    with aioswap.AioHandle() as h:
+        with h.open(parts, "w+", stripe=UNIT) as f:
+            assert f._peers == [[0, 1, 2, 3]] * 4
+            f.pwrite(data, 0)
+        drives = read_layout(parts[0])["drives"]
+        assert sorted(drives.count(d) for d in range(4)) == [64, 64, 64, 65]
+        with h.open(parts[::-1], "r") as f:
+            out = np.zeros(data.size, np.uint8)
+            f.pread(out, 0)
+            assert (out == data).all()
 
 
 def test_many_one_unit_requests_favour_the_fast_drives(tmp_path: Path) -> None:
