@@ -46,6 +46,7 @@ import torch
 
 import aioswap
 from _common import GB, UNITS_NOTE, size_arg
+from aioswap.stripe import read_layout
 from aioswap.swap import TensorSwapper
 
 CGROUP = "/sys/fs/cgroup/blkio"
@@ -185,8 +186,9 @@ def _fio_json(cmd: Sequence[str]) -> str:
 
 
 def aioswap_run(h: aioswap.AioHandle, parts: Sequence[str], bs: int, size: int,
-                rand: bool) -> tuple[float, float]:
-    """aioswap striped write then read of ``size`` bytes in requests of ``bs``: B/s each."""
+                rand: bool) -> tuple[float, float, float]:
+    """aioswap striped write then read of ``size`` bytes in requests of ``bs``: B/s each,
+    and the largest share of the stripe units one drive got."""
     n = size // bs
     offs = [i * bs for i in range(n)]
     if rand:
@@ -210,7 +212,9 @@ def aioswap_run(h: aioswap.AioHandle, parts: Sequence[str], bs: int, size: int,
                         f.pread(view, off, async_op=True)
                 f.wait()
             rates.append(size / (time.perf_counter() - t0))
-    return rates[0], rates[1]
+    drives = read_layout(parts[0])["drives"]
+    share = max(drives.count(d) for d in range(len(parts))) / max(1, len(drives))
+    return rates[0], rates[1], share
 
 
 def swapper_run(h: aioswap.AioHandle, roots: Sequence[str], size: int) -> tuple[float, float]:
@@ -278,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     fw = fio(files, rw + "write", bs, per)
                     fr = fio(files, rw + "read", bs, per)
                     parts = [os.path.join(m, "stripe.bin") for m in mnts]
-                    aw, ar = aioswap_run(h, parts, bs, total, rand)
+                    aw, ar, share = aioswap_run(h, parts, bs, total, rand)
                     bw_ = br = float("nan")
                     if btrfs:
                         m = r.btrfs()
@@ -289,7 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         cases.append({"drives": n, "request": bs, "op": op,
                                       "fio_sum": fs / GB, "btrfs_raid0": bt / GB,
                                       "aioswap": a / GB, "vs_fio_sum": a / fs,
-                                      "vs_btrfs": a / bt if bt == bt else None})
+                                      "vs_btrfs": a / bt if bt == bt else None,
+                                      "largest_share": share})
                     if n == 4 and not rand:     # a state dict through TensorSwapper
                         r.unmount()
                         r.throttle(caps)
@@ -305,14 +310,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     r.throttle([(cap, cap, 0, 0)] * 3 + [(cap // 2, cap // 2, 0, 0)])
                     mnts = r.ext4()
                     parts = [os.path.join(m, "stripe.bin") for m in mnts]
-                    aw, ar = aioswap_run(h, parts, 1 << 20, size, False)
+                    aw, ar, share = aioswap_run(h, parts, 1 << 20, size, False)
                     caps_sum = 3.5 * cap
                     cases.append({"drives": 4, "request": 1 << 20, "op": "write, one at half",
                                   "caps_sum": caps_sum / GB, "aioswap": aw / GB,
-                                  "vs_caps_sum": aw / caps_sum})
+                                  "vs_caps_sum": aw / caps_sum, "largest_share": share})
                     cases.append({"drives": 4, "request": 1 << 20, "op": "read, one at half",
                                   "caps_sum": caps_sum / GB, "aioswap": ar / GB,
-                                  "vs_caps_sum": ar / caps_sum})
+                                  "vs_caps_sum": ar / caps_sum, "largest_share": share})
                 r.unmount()
     report = {"cap_bytes_per_s": cap, "iops_cap": args.iops, "size": size, "small": small,
               "cases": cases, "units": UNITS_NOTE}
@@ -322,16 +327,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"striping over throttled loop devices: {cap / GB:.3f} GB/s per drive, "
           f"{args.iops} IOPS for 4 KiB")
     print(f"{'drives':>6} {'req':>5} {'op':<20} {'fio sum':>8} {'btrfs':>8} {'aioswap':>8} "
-          f"{'/fio':>6} {'/btrfs':>6}")
+          f"{'/fio':>6} {'/btrfs':>6} {'share':>6}")
     for c in cases:
         other = c.get("fio_sum", c.get("caps_sum"))
         ratio = c.get("vs_fio_sum", c.get("vs_caps_sum"))
         vb = c.get("vs_btrfs")
+        share = c.get("largest_share")
         print(f"{c['drives']:>6} {'1M' if c['request'] == 1 << 20 else '4K':>5} "
               f"{c['op']:<20} {other:>8.3f} {c.get('btrfs_raid0', float('nan')):>8.3f} "
               f"{c['aioswap']:>8.3f} {ratio:>6.2f} "
-              f"{'-' if vb is None else f'{vb:.2f}':>6}")
-    print(f"({UNITS_NOTE}; 'one at half' rows compare with the sum of the caps)")
+              f"{'-' if vb is None else f'{vb:.2f}':>6} "
+              f"{'-' if share is None else f'{share:.2f}':>6}")
+    print(f"({UNITS_NOTE}; 'one at half' rows compare with the sum of the caps; share: the "
+          f"largest fraction of the stripe units one drive holds, 1/N when even)")
     return 0
 
 
