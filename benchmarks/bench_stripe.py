@@ -18,7 +18,8 @@ For each N in ``--drives`` and each request size (1 MiB sequential, 4 KiB random
 
 Then, for N = 4: a state dict of ``--size`` bytes (16 tensors) through
 ``TensorSwapper([a directory on each drive])`` (``swap_out_state_dict``, packs fsynced, then
-``swap_in_state_dict`` into fresh memory), against the 1 MiB ``fio sum``; and the uneven
+``swap_in_state_dict`` into fresh memory, and into the tensors of an existing dict), against
+the 1 MiB ``fio sum``; and the uneven
 case (one drive capped at half speed): aioswap striped write and read against the sum of the
 caps (a static round-robin split would get about 4 x 0.5 / 3.5 = 0.57).
 
@@ -217,9 +218,12 @@ def aioswap_run(h: aioswap.AioHandle, parts: Sequence[str], bs: int, size: int,
     return rates[0], rates[1], share
 
 
-def swapper_run(h: aioswap.AioHandle, roots: Sequence[str], size: int) -> tuple[float, float]:
+def swapper_run(h: aioswap.AioHandle, roots: Sequence[str],
+                size: int) -> tuple[float, float, float]:
     """A state dict of ``size`` bytes in 16 tensors through a TensorSwapper over ``roots``:
-    swap_out_state_dict then swap_in_state_dict, B/s each (byte-exact checked)."""
+    swap_out_state_dict, swap_in_state_dict into fresh memory, and swap_in_state_dict into
+    the tensors of an existing dict (``state_dict=``, as a training loop restores its state),
+    B/s each (byte-exact checked)."""
     per = max(1, size // 16 // 4)
     gen = torch.Generator().manual_seed(5)
     sd = {f"layer{i}.weight": torch.randint(-2**31, 2**31 - 1, (per,), dtype=torch.int32,
@@ -234,9 +238,16 @@ def swapper_run(h: aioswap.AioHandle, roots: Sequence[str], size: int) -> tuple[
         r = nbytes / (time.perf_counter() - t0)
         if any(not torch.equal(got[k], v) for k, v in sd.items()):
             raise SystemExit("TensorSwapper over the drives read back different bytes")
+        for t in got.values():
+            t.zero_()
+        t0 = time.perf_counter()
+        sw.swap_in_state_dict("", state_dict=got, verify=False)
+        into = nbytes / (time.perf_counter() - t0)
+        if any(not torch.equal(got[k], v) for k, v in sd.items()):
+            raise SystemExit("TensorSwapper over the drives read back different bytes")
         del got
         sw.destroy()
-    return w, r
+    return w, r, into
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -299,10 +310,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         r.unmount()
                         r.throttle(caps)
                         mnts = r.ext4()
-                        sw_w, sw_r = swapper_run(h, [os.path.join(m, "swap") for m in mnts],
-                                                 size)
+                        sw_w, sw_r, sw_i = swapper_run(
+                            h, [os.path.join(m, "swap") for m in mnts], size)
                         for op, a, fs in (("swap_out_state_dict", sw_w, fw),
-                                          ("swap_in_state_dict", sw_r, fr)):
+                                          ("swap_in_state_dict", sw_r, fr),
+                                          ("swap_in, into a dict", sw_i, fr)):
                             cases.append({"drives": n, "request": bs, "op": op,
                                           "fio_sum": fs / GB, "aioswap": a / GB,
                                           "vs_fio_sum": a / fs, "vs_btrfs": None})
