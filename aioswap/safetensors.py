@@ -813,6 +813,8 @@ def save_sharded(tensors: Mapping[str, torch.Tensor], directory: PathLike, *,
             held = 0
         groups[-1].append(k)
         held += sizes[k]
+    if not groups:
+        groups.append([])           # no tensors: one empty shard, as a model without any
     n = len(groups)
     names = [f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     for h in homes:

@@ -633,3 +633,6 @@ def test_save_sharded_over_drives_loads_everywhere(tmp_dir: Path) -> None:
     ast.save_sharded(sd, one, max_shard_bytes=64 << 10)
     n = len(list(one.glob("model-*.safetensors")))
     assert n > 3 and not any(p.is_symlink() for p in one.iterdir())
+    empty = Path(ast.save_sharded({}, tmp_dir / "empty", roots=[tmp_dir / "e1"]))
+    assert json.loads(empty.read_text())["weight_map"] == {}
+    assert ast.load_file(tmp_dir / "empty" / "model-00001-of-00001.safetensors") == {}
