@@ -29,6 +29,7 @@ from typing import Any
 from aioswap._units import shape_fits
 from aioswap._util import fsync_dir
 from aioswap.errors import SwapError
+from aioswap.stripe import LAYOUT_SUFFIX as STRIPE_SUFFIX
 
 __all__ = ["LOCK_NAME", "MANIFEST_NAME", "ORPHANS_DIR", "Entry", "Manifest", "SwapDirectory",
            "Tree", "is_data_file"]
@@ -153,10 +154,6 @@ class Entry:
 
 # ----------------------------------------------------------------------------------------
 # The directory
-
-
-#: The suffix of a striped data file's layout beside each of its parts (aioswap.stripe).
-STRIPE_SUFFIX = ".stripe.json"
 
 
 class SwapDirectory:
