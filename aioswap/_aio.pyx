@@ -546,10 +546,23 @@ cdef class LockedMemory:
 #   K_FSYNC      IOCB_CMD_FSYNC after a write's last piece (fsync=True)
 
 from libc.string cimport memcpy
+from posix.fcntl cimport F_GETFL
+from posix.fcntl cimport fcntl as c_fcntl
 from posix.stat cimport fstat, struct_stat
 from posix.unistd cimport ftruncate, getpid, pread, pwrite
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from posix.uio cimport iovec
+
+
+def fd_identity(int fd):
+    """``(flags, st_dev, st_ino, st_mode)`` of an open descriptor (``fcntl(F_GETFL)`` and
+    ``fstat`` in one call, no ``stat_result`` built), or None when either fails (the caller
+    asks again the slow way, for the error it raises)."""
+    cdef struct_stat st
+    cdef int fl = c_fcntl(fd, F_GETFL)
+    if fl < 0 or fstat(fd, &st) < 0:
+        return None
+    return (fl, st.st_dev, st.st_ino, st.st_mode)
 
 
 def fsize(int fd):

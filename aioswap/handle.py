@@ -30,6 +30,7 @@ import logging
 import operator
 import os
 import queue
+import stat
 import sys
 import threading
 import warnings
@@ -1319,11 +1320,18 @@ class AioHandle:
         back pinned (counted as in use, so neither an eviction nor ``close()`` closes its
         descriptor under the request); the request's end unpins it (``unuse``).
         """
+        checked = None
+        key: tuple[int, int] | None = None
         if isinstance(file, int):
-            checked = _files.check_fd(file, write)
-            st: os.stat_result | None = checked[1]
+            # one C call for the usual case; anything unusual asks again the slow way, which
+            # raises the error with its message
+            ident = _aio.fd_identity(file)
+            if ident is not None and _fd_allows(ident[0], ident[3], write):
+                key = (ident[1], ident[2])
+            else:
+                checked = _files.check_fd(file, write)
+                key = (checked[1].st_dev, checked[1].st_ino)
         else:
-            checked = None
             try:
                 st = os.stat(file)
             except FileNotFoundError:
@@ -1332,9 +1340,9 @@ class AioHandle:
                 st = None                       # a write creates it
             if st is not None:
                 _files.check_kind(st, describe(file))
+                key = (st.st_dev, st.st_ino)
         files = self._files
-        if st is not None:
-            key = (st.st_dev, st.st_ino)
+        if key is not None:
             with self._lock:
                 f = files.get(key)
                 if f is not None and not f._closed and (f.writable or not write):
@@ -1835,6 +1843,18 @@ def _close_shared() -> None:
 
 
 atexit.register(_close_shared)
+
+
+def _fd_allows(flags: int, mode: int, write: bool) -> bool:
+    """Whether a caller's fd with these ``F_GETFL`` flags and ``st_mode`` takes the request
+    as it is (:func:`aioswap._files.check_fd` says why not)."""
+    acc = flags & os.O_ACCMODE
+    if write:
+        if acc == os.O_RDONLY or flags & os.O_APPEND:
+            return False
+    elif acc == os.O_WRONLY:
+        return False
+    return stat.S_ISREG(mode) or stat.S_ISBLK(mode)
 
 
 def _plan(f: AioFile, address: int, n: int, offset: int,

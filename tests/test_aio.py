@@ -1196,3 +1196,19 @@ def test_address_view_reads_the_bytes_without_a_new_type() -> None:
         _aio.address_view(addr, -1)
     with pytest.raises(ValueError, match="address 0"):
         _aio.address_view(0, 8)
+
+
+def test_fd_identity_is_fcntl_and_fstat_in_one_call(tmp_path: Path) -> None:
+    import fcntl
+    p = tmp_path / "x.bin"
+    p.write_bytes(b"x" * 100)
+    for flags in (os.O_RDONLY, os.O_WRONLY | os.O_APPEND, os.O_RDWR):
+        fd = os.open(p, flags)
+        try:
+            st = os.fstat(fd)
+            assert _aio.fd_identity(fd) == (fcntl.fcntl(fd, fcntl.F_GETFL), st.st_dev,
+                                            st.st_ino, st.st_mode)
+        finally:
+            os.close(fd)
+    assert _aio.fd_identity(fd) is None            # closed now
+    assert _aio.fd_identity(-1) is None
