@@ -1206,8 +1206,8 @@ def test_fd_identity_is_fcntl_and_fstat_in_one_call(tmp_path: Path) -> None:
         fd = os.open(p, flags)
         try:
             st = os.fstat(fd)
-            assert _aio.fd_identity(fd) == (fcntl.fcntl(fd, fcntl.F_GETFL), st.st_dev,
-                                            st.st_ino, st.st_mode)
+            want = (fcntl.fcntl(fd, fcntl.F_GETFL), st.st_dev, st.st_ino, st.st_mode)
+            assert _aio.fd_identity(fd) == want
         finally:
             os.close(fd)
     assert _aio.fd_identity(fd) is None            # closed now
