@@ -585,7 +585,7 @@ def run_bench_drives(dirs: Sequence[str], size: int, *, config: AioConfig, repea
     torch = _need_torch("bench")
     from aioswap import pinned
     from aioswap.handle import AioHandle
-    from aioswap.stripe import default_stripe
+    from aioswap.stripe import LAYOUT_SUFFIX, default_stripe
 
     n = len(dirs)
     _check_memory(2 * size + _SLACK, f"aioswap bench --size {short_size(size)}")
@@ -603,7 +603,7 @@ def run_bench_drives(dirs: Sequence[str], size: int, *, config: AioConfig, repea
             for p in parts:         # open_striped makes them (and their layouts) itself
                 os.unlink(p)
             for p in parts:
-                stack.callback(_unlink_quiet, p + ".stripe.json")
+                stack.callback(_unlink_quiet, p + LAYOUT_SUFFIX)
 
             def each(write: bool) -> None:
                 if write:           # new files, as the striped one is (w+)
@@ -627,6 +627,12 @@ def run_bench_drives(dirs: Sequence[str], size: int, *, config: AioConfig, repea
                 buf.copy_(ref)
                 return ok
 
+            def drop() -> None:
+                for p in paths + parts:
+                    if os.path.exists(p):
+                        drop_cache(p)
+                buf.zero_()
+
             methods = [
                 _Method("each", f"aioswap, {n} drives at once (one file each)",
                         lambda _: each(True), lambda _: each(False), check),
@@ -634,31 +640,10 @@ def run_bench_drives(dirs: Sequence[str], size: int, *, config: AioConfig, repea
                         lambda _: stripe(True), lambda _: stripe(False), check),
             ]
             buf.copy_(ref)
-            bar = _Progress(total * len(methods) * len(ops) * (repeat + warmup),
-                            "aioswap bench (drives together)", progress, err)
-            try:
-                if ops == ["read"]:
-                    each(True)
-                    stripe(True)
-                for rnd in range(warmup + repeat):
-                    k = rnd % len(methods)
-                    for m in methods[k:] + methods[:k]:
-                        for op in ops:
-                            if op == "read":
-                                for p in paths + parts:
-                                    if os.path.exists(p):
-                                        drop_cache(p)
-                                buf.zero_()
-                            t0 = time.perf_counter()
-                            (m.write if op == "write" else m.read)("")
-                            dt = time.perf_counter() - t0
-                            if rnd >= warmup:
-                                m.times[op].append(dt)
-                            bar.step(total, f"{m.key} {op}")
-                            if op == "read" and not m.check():
-                                raise RuntimeError(f"{m.label} read back different bytes")
-            finally:
-                bar.close()
+            if ops == ["read"]:
+                stripe(True)            # _bench_rounds writes the first method's files
+            _bench_rounds(methods, paths[0], total, repeat, warmup, ops, progress, err,
+                          drop=drop, desc="aioswap bench (drives together)")
     finally:
         for h in handles:
             h.close()
@@ -751,9 +736,13 @@ def _aioswap_methods(torch: Any, tag: str, handle: Any, ref: Any, plain: Any,
 
 
 def _bench_rounds(methods: list[_Method], path: str, size: int, repeat: int, warmup: int,
-                  ops: Sequence[str], progress: bool, err: IO[str]) -> dict[str, Any]:
+                  ops: Sequence[str], progress: bool, err: IO[str],
+                  drop: Callable[[], None] | None = None,
+                  desc: str = "aioswap bench") -> dict[str, Any]:
+    """Every method once per round, in an order rotated by one per round; before each read
+    ``drop()`` (default: ``path`` out of the page cache), off the clock."""
     per_round = len(methods) * len(ops) * size
-    bar = _Progress(per_round * (repeat + warmup), "aioswap bench", progress, err)
+    bar = _Progress(per_round * (repeat + warmup), desc, progress, err)
     try:
         if ops == ["read"]:
             methods[0].write(path)      # read-only: the file is written once, untimed
@@ -762,7 +751,10 @@ def _bench_rounds(methods: list[_Method], path: str, size: int, repeat: int, war
             for m in methods[k:] + methods[:k]:
                 for op in ops:
                     if op == "read":
-                        drop_cache(path)
+                        if drop is None:
+                            drop_cache(path)
+                        else:
+                            drop()
                     t0 = time.perf_counter()
                     (m.write if op == "write" else m.read)(path)
                     dt = time.perf_counter() - t0

@@ -98,7 +98,7 @@ from aioswap._util import first_error, round_up
 from aioswap.errors import AioswapError, AioswapWarning
 from aioswap.handle import AioFile, AioHandle, IOFuture
 from aioswap.safetensors import Header, SafetensorsError, read_header
-from aioswap.tune.measure import cgroup_memory_limit, read_text
+from aioswap.tune.measure import cgroup_memory_limit, meminfo_available
 
 __all__ = [
     "AioswapWeightsLoader",
@@ -226,10 +226,7 @@ def memory_for_cache() -> int:
     """Bytes of memory the page cache has for this process: ``MemAvailable`` of
     ``/proc/meminfo``, capped by its cgroup's memory limit (what decides the default way of
     reading of :class:`AioswapWeightsLoader`)."""
-    avail = 0
-    for line in (read_text("/proc/meminfo") or "").splitlines():
-        if line.startswith("MemAvailable:"):
-            avail = int(line.split()[1]) * 1024
+    avail = meminfo_available() or 0
     limit = cgroup_memory_limit()
     return avail if limit is None else min(avail, limit)
 

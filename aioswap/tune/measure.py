@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["SharedBuffers", "cap_ipc_lock", "cgroup_memory_limit", "check_environment",
-           "drop_cache", "memory_available", "read_text", "run_point", "scratch_files", "split"]
+           "drop_cache", "meminfo_available", "memory_available", "read_text", "run_point",
+           "scratch_files", "split"]
 
 
 def drop_cache(path: str) -> None:
@@ -76,6 +77,14 @@ def cgroup_memory_limit() -> int | None:
     return best
 
 
+def meminfo_available() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes, or None."""
+    for line in (read_text("/proc/meminfo") or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
 def memory_available() -> tuple[int | None, str]:
     """Bytes this process may still allocate, and what limits it.
 
@@ -84,10 +93,9 @@ def memory_available() -> tuple[int | None, str]:
     ``(None, "")`` when none of them can be read.
     """
     found: list[tuple[int, str]] = []
-    meminfo = read_text("/proc/meminfo") or ""
-    for line in meminfo.splitlines():
-        if line.startswith("MemAvailable:"):
-            found.append((int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"))
+    avail = meminfo_available()
+    if avail is not None:
+        found.append((avail, "MemAvailable in /proc/meminfo"))
     cg = (read_text("/proc/self/cgroup") or "").strip().splitlines()
     for line in cg:
         if line.startswith("0::"):
