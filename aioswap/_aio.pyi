@@ -3,6 +3,8 @@ from typing import Any, Union
 
 from typing_extensions import disjoint_base
 
+from aioswap.handle import IOFuture
+
 
 _Path = Union[str, bytes, PathLike[str], PathLike[bytes]]
 
@@ -126,3 +128,38 @@ def backends_available() -> dict[str, tuple[bool, str]]: ...
 def _uring_inject(setup_errno: int = 0, einval_flags: int = 0, register_errno: int = 0,
                   cqe_eagain: int = 0, cqe_short: int = 0) -> None: ...
 def _uring_faults_left() -> tuple[int, int]: ...
+
+# the front door (handle.py's short path, compiled)
+def front_setup(handle_module: Any, pinned_module: Any) -> None: ...
+def request(h: Any, write: bool, buffer: Any, file: Any, offset: Any, nbytes: Any,
+            async_op: bool, fsync: bool) -> int | IOFuture: ...
+def init_future(fut: Any, op: str, file: Any, nbytes: int, offset: int) -> None: ...
+
+@disjoint_base
+class Ticket:
+    handle: Any
+    file: Any
+    fut: Any
+    hold: Any
+    error: BaseException | None
+    offset: int
+    nbytes: int
+    write: bool
+    seq: int
+
+@disjoint_base
+class ShortQueued:
+    rq: Request
+    file: Any
+    hold: Any
+
+def count_paths(st: Any, mode: int, edges: int, middle: int) -> None: ...
+def count_outcome(st: Any, write: bool, done: int, failed: bool) -> None: ...
+def short(h: Any, write: bool, t: Any, f: Any, offset: Any, how: int, arg: Any,
+          sink: list[Request] | None = None) -> object: ...
+def short_done(h: Any, f: Any, hold: Any, write: bool, done: int, failed: bool) -> None: ...
+def short_finish(h: Any, sq: ShortQueued, drain: bool = False) -> int: ...
+def finished_locked(h: Any, outcome: Any, error: BaseException | None,
+                    counted: bool = True) -> None: ...
+def finish_future(fut: Any, result: Any, error: BaseException | None) -> None: ...
+def complete(h: Any, items: list[Request]) -> None: ...

@@ -14,6 +14,7 @@ submission to its result. Also here: ``open_direct``, ``dio_alignment``, ``aio_a
 and :class:`LockedMemory`. Nothing here knows about torch: requests carry raw addresses
 whose owners the queue keeps alive (``owner``) until the request is finished and seen.
 """
+cimport cython
 cimport aioswap._aio_abi as abi
 cimport aioswap._kthreads as kt
 cimport aioswap._uring as ur
@@ -902,6 +903,16 @@ cdef inline void _set_err(_Req* r, int err, int64_t off, uint64_t n) noexcept no
     r.stop = True
 
 
+cdef inline void _link(_Q* q, _Req* r) noexcept nogil:
+    """Append ``r`` to the pending list (q.mu held)."""
+    r.prev = q.pend_tail
+    if q.pend_tail != NULL:
+        q.pend_tail.next = r
+    else:
+        q.pend_head = r
+    q.pend_tail = r
+
+
 cdef void _unlink(_Q* q, _Req* r) noexcept nogil:
     if not r.queued:
         return
@@ -1327,7 +1338,7 @@ cdef int _q_reap(_Q* q, long timeout_ns) noexcept nogil:
     """
     cdef timespec ts
     cdef long ret, k, min_nr
-    cdef int n = 0, s, nretry, i, submitted, nfin
+    cdef int n = 0, s, nretry, i, submitted, nfin, nacc
     cdef int* launch = q.rscratch
     pt.pthread_mutex_lock(&q.mu)
     nretry = q.nretry
@@ -1359,6 +1370,7 @@ cdef int _q_reap(_Q* q, long timeout_ns) noexcept nogil:
     # buffer refilled right away, one at a time.
     n = 0
     nfin = 0
+    nacc = 0
     for k in range(ret):
         s = <int>q.events[k].data
         if _copies_out(q, s, <int64_t>q.events[k].res):
@@ -1368,10 +1380,11 @@ cdef int _q_reap(_Q* q, long timeout_ns) noexcept nogil:
             launch[n] = s                           # goes again (short or read-modify-write)
             n += 1
         else:
-            pt.pthread_mutex_lock(&q.mu)            # finished: its slot is free from here
-            _account(q, s)
-            pt.pthread_mutex_unlock(&q.mu)
+            launch[ret + nacc] = s                  # finished (n + nacc + nfin == ret, and
+            nacc += 1                               # nslots >= 2 * ret: no overlap)
     pt.pthread_mutex_lock(&q.mu)
+    for k in range(nacc):                           # one lock for the finished: their
+        _account(q, launch[ret + k])                # slots are free from here
     q.kin -= <int>ret - n                           # those going again stay in the kernel
     n += _cut(q, launch + n, q.nslots - n - nfin)
     pt.pthread_mutex_unlock(&q.mu)
@@ -1953,6 +1966,13 @@ cdef class AioQueue:
         and ``owner`` (what keeps ``addr`` valid) ride on the request; the queue keeps the
         request, and so ``owner``, alive until it is finished and seen.
         """
+        return self._submit(fd, write, addr, nbytes, offset, mode, align, block, file, fsync,
+                            sync, token, name, owner, sink)
+
+    cdef Request _submit(self, int fd, bint write, size_t addr, uint64_t nbytes,
+                         int64_t offset, int mode, uint64_t align, uint64_t block,
+                         FileState file, bint fsync, bint sync, object token, object name,
+                         object owner, list sink):
         cdef _Req* r
         cdef Request req
         cdef uint64_t te, hs
@@ -2031,17 +2051,28 @@ cdef class AioQueue:
         r.stage = ST_HEAD
         r.queued = True
         q = &self.q
+        if not sync and q.threads == NULL:
+            # Linked with the GIL held: q.mu is only ever held briefly and never by a thread
+            # that waits for the GIL, and releasing the GIL here would hand it to the
+            # completion thread between the requests of a burst (a futex round trip each).
+            pt.pthread_mutex_lock(&q.mu)
+            q.nasync += 1
+            q.last_async = _mono()
+            if q.pend_head == NULL:
+                _wake(q)                    # the completion thread submits it
+            # else whoever linked the first pending request woke it, and it takes every
+            # pending request in its next round
+            _link(q, r)
+            pt.pthread_mutex_unlock(&q.mu)
+            if sink is not None:
+                sink.append(req)
+            return req
         with nogil:
             pt.pthread_mutex_lock(&q.mu)
             if not sync:
                 q.nasync += 1
                 q.last_async = _mono()
-            r.prev = q.pend_tail
-            if q.pend_tail != NULL:
-                q.pend_tail.next = r
-            else:
-                q.pend_head = r
-            q.pend_tail = r
+            _link(q, r)
             pt.pthread_mutex_unlock(&q.mu)
             # An asynchronous request is submitted by the thread that reaps it, the
             # completion thread (in its next round; a burst goes out in one submission), so
@@ -2072,6 +2103,12 @@ cdef class AioQueue:
         the AIO round trip only adds a completion hop (for ``O_DIRECT`` writes on ext4 it
         halves small-write IOPS).
         """
+        return self._run(fd, write, addr, nbytes, offset, mode, align, block, file, fsync,
+                         name)
+
+    cdef object _run(self, int fd, bint write, size_t addr, uint64_t nbytes, int64_t offset,
+                     int mode, uint64_t align, uint64_t block, FileState file, bint fsync,
+                     object name):
         cdef long ret
         cdef uint64_t done = 0
         cdef int e = 0
@@ -2116,8 +2153,8 @@ cdef class AioQueue:
                 raise failure(name, write, offset, nbytes, done, e, offset + <int64_t>done,
                               nbytes - done)
             return done
-        return self.submit(fd, write, addr, nbytes, offset, mode, align, block, file,
-                           fsync, True, None, name).wait()
+        return self._submit(fd, write, addr, nbytes, offset, mode, align, block, file,
+                            fsync, True, None, name, None, None).wait()
 
     def serve(self):
         """Completion thread: block until asynchronous requests finish.
@@ -2237,3 +2274,394 @@ def _uring_inject(int setup_errno=0, int einval_flags=0, int register_errno=0,
 def _uring_faults_left():
     """Tests only: the injected CQE faults not yet used ``(eagain, short)``."""
     return (ur.uring_inject.cqe_eagain, ur.uring_inject.cqe_short)
+
+
+# ---------------------------------------------------------------------------- front door
+# The short path of :class:`aioswap.handle.AioHandle`: a plain contiguous CPU tensor, whole,
+# on a file the handle opened, in one lane's queue, sync, async or in a batch. Compiled here
+# so that Python costs such a request its checks and nothing else; anything else (and
+# every error) takes handle.py's general path, which this returns ``SLOW`` for. The handle
+# module hands its names over once (front_setup).
+
+cdef object _f_slow = None          # handle._SLOW: take the general path
+cdef object _f_handle = None        # aioswap.handle
+cdef object _f_pinned = None        # aioswap.pinned
+cdef object _f_future = None        # handle.IOFuture
+cdef object _f_layout = None        # torch.strided, once a tensor request was seen
+cdef object _f_cond_lock = None     # handle._cond_lock
+cdef object _f_finished = None      # concurrent.futures' FINISHED
+cdef object _f_running = None       # and RUNNING
+cdef list _f_gen = None             # handle._fork_generation
+cdef set _f_types = None            # handle._short_types (filled once torch is in use)
+cdef object _f_file = None          # aioswap._files.AioFile
+cdef object _OFF_MAX = 1 << 62      # larger offsets take the general path (which checks them)
+_log = logging.getLogger("aioswap")
+
+
+def front_setup(handle_module, pinned_module):
+    """Called once by :mod:`aioswap.handle` at import: the names the front door uses."""
+    global _f_slow, _f_handle, _f_pinned, _f_future, _f_cond_lock, _f_finished, _f_gen
+    global _f_types, _f_file, _f_running
+    _f_handle = handle_module
+    _f_pinned = pinned_module
+    _f_slow = handle_module._SLOW
+    _f_future = handle_module.IOFuture
+    _f_cond_lock = handle_module._cond_lock
+    _f_finished = handle_module._FINISHED
+    _f_running = handle_module._RUNNING
+    _f_gen = handle_module._fork_generation
+    _f_types = handle_module._short_types
+    _f_file = handle_module.AioFile
+
+
+def request(h, bint write, buffer, file, offset, nbytes, bint async_op, bint fsync):
+    """``AioHandle.pread``/``pwrite``: the short path where it applies (see :func:`short`),
+    else the handle's general path (``AioHandle._request``)."""
+    if (nbytes is None and not fsync and type(buffer) in _f_types and type(offset) is int
+            and offset >= 0):
+        f = file if type(file) is _f_file else h._short_file(file, write)
+        if f is not None:
+            try:
+                out = short(h, write, buffer, f, offset, 1 if async_op else 0, file)
+            finally:
+                if f is not file:
+                    f.unuse()               # the request counted itself on the file
+            if out is not _f_slow:
+                return out
+    return h._request(write, buffer, file, offset, nbytes, async_op, fsync)
+
+
+def init_future(fut, op, file, nbytes, offset):
+    """The fields of a new :class:`~aioswap.handle.IOFuture` (``Future.__init__``'s, in
+    the RUNNING state, and the request's)."""
+    fut._cond = None
+    fut._state = _f_running
+    fut._result = None
+    fut._exception = None
+    fut._waiters = []
+    fut._done_callbacks = []
+    fut._generation = _f_gen[0]
+    fut.op = op
+    fut.file = file
+    fut.nbytes = nbytes
+    fut.offset = offset
+
+
+@cython.auto_pickle(False)
+cdef class Ticket:
+    """An asynchronous short-path request from submission to its future's result; also its
+    outcome for ``AioHandle.wait`` (``seq``, ``error``)."""
+    cdef public object handle, file, fut, hold, error, offset, nbytes
+    cdef public bint write
+    cdef public long long seq
+
+
+@cython.auto_pickle(False)
+cdef class ShortQueued:
+    """A sync short-path request in a lane's queue (a batch call reaps it later)."""
+    cdef public Request rq          # holds the caller's buffer until the request is reaped
+    cdef public object file, hold
+
+
+cdef inline void _count_paths(object st, int mode, uint64_t edges, uint64_t middle):
+    if mode == M_DIRECT:
+        st.direct_bytes += middle
+    elif mode == M_BOUNCE:
+        st.bounce_bytes += middle
+    else:
+        st.buffered_bytes += middle
+    st.head_tail_bytes += edges
+
+
+cdef inline void _count_outcome(object st, bint write, uint64_t done, bint failed):
+    if failed:
+        st.failed += 1
+    elif write:
+        st.write_bytes += done
+        st.writes += 1
+    else:
+        st.read_bytes += done
+        st.reads += 1
+
+
+def count_paths(st, int mode, uint64_t edges, uint64_t middle):
+    """Bytes per path into a handle's stats (its lock held)."""
+    _count_paths(st, mode, edges, middle)
+
+
+def count_outcome(st, bint write, uint64_t done, bint failed):
+    """A finished request into a handle's stats (its lock held)."""
+    _count_outcome(st, write, done, failed)
+
+
+def short(h, bint write, t, f, offset, int how, arg, list sink=None):
+    """The short path of one request (see ``AioHandle._short``): ``how`` 0 runs it and
+    returns the bytes moved, 1 returns its future, 2 queues it and returns a
+    :class:`ShortQueued`; ``SLOW`` for anything else."""
+    global _f_layout
+    cdef int64_t off
+    cdef uint64_t n, addr, align, head, tail, edges, middle
+    cdef int64_t size
+    cdef int mode
+    cdef bint locked, counted = False
+    cdef AioQueue q
+    cdef Ticket ticket = None
+    cdef Request rq
+    cdef ShortQueued sq
+    cdef struct_stat st
+    if _f_layout is None:
+        _f_layout = _f_handle._short_layout
+    if (type(offset) is not int or offset < 0 or offset > _OFF_MAX or f._lock is not h._lock
+            or f._closed or h._generation != _f_gen[0] or not t.is_cpu
+            or t.layout is not _f_layout or not t.is_contiguous() or t.is_conj()
+            or t.is_neg()):
+        return _f_slow
+    n = t.nbytes
+    if n == 0 or not (f.writable if write else f.readable):
+        return _f_slow
+    lanes = h._lanes
+    nl = len(lanes)
+    if nl > 1:
+        if n >= 2 * <uint64_t>f.piece:
+            return _f_slow                  # cut across the lanes
+        rr = (h._rr + 1) % nl               # a hint: races are fine
+        h._rr = rr
+        lane = lanes[rr]
+    else:
+        lane = lanes[0]
+    off = offset
+    fd = f._fd
+    if not write:
+        # the size now, not a remembered one: an O_DIRECT read past the end of a file that
+        # another process truncated would zero-fill the destination past the data
+        if f.block_device or fstat(fd, &st) < 0:
+            size = f.size()                 # (raises what fstat met)
+        else:
+            size = st.st_size
+        if off + <int64_t>n > size:
+            return _f_slow                  # raises ShortReadError before any I/O
+    addr = t.data_ptr()
+    registry = _f_pinned.registry
+    hold, locked = registry.io_hold(addr, n)
+    try:
+        align = f.off_align
+        if not f.direct:
+            mode, edges, middle = M_PLAIN, 0, n
+        else:
+            head = (align - <uint64_t>off % align) % align
+            if head > n:
+                head = n
+            tail = (<uint64_t>off + n) % align
+            edges = head + (tail if n - head >= tail else 0)
+            middle = n - edges
+            if (middle > 0 and (addr + head) % <uint64_t>f.mem_align == 0
+                    and (locked or (edges > 0 and _f_pinned.is_pinned((addr + head, middle))))):
+                mode = M_DIRECT
+            else:
+                mode = M_BOUNCE
+        if mode != M_PLAIN:
+            ring = lane.ring
+            if not ring.attached:
+                ring.ensure()
+        q = lane.queue
+        if how == 1:
+            fut = _f_future.__new__(_f_future)
+            init_future(fut, "write" if write else "read", arg, n, offset)
+            fut._hurry = q.hurry
+            ticket = Ticket.__new__(Ticket)
+            ticket.handle = h
+            ticket.write = write
+            ticket.file = f
+            ticket.offset = offset
+            ticket.nbytes = n
+            ticket.fut = fut
+            ticket.hold = hold
+            if lane.thread is None:
+                lane.start()
+        lock = h._lock
+        lock.acquire()
+        try:
+            if not h._closed and not f._closed:
+                h._active += 1
+                f._users += 1
+                counted = True
+                stats = h._stats
+                _count_paths(stats, mode, edges, middle)
+                if ticket is not None:
+                    seq = h._seq
+                    ticket.seq = seq
+                    h._seq = seq + 1
+                    h._open.append(seq)
+                    stats.async_ops += 1
+        finally:
+            lock.release()
+    except BaseException:
+        if hold is not None:
+            registry.unhold(hold)
+        raise
+    if not counted:
+        if hold is not None:
+            registry.unhold(hold)
+        return _f_slow                      # raises the closed error
+    if ticket is not None:
+        try:
+            q._submit(fd, write, addr, n, off, mode, align, f.piece, f.state, False, False,
+                      ticket, f.name, t, None)
+        except BaseException:
+            lock.acquire()
+            try:
+                _finished_locked(h, ticket, None, False)
+            finally:
+                lock.release()
+            _short_done(h, f, hold, write, 0, True)
+            raise
+        return ticket.fut
+    if how == 2:
+        try:
+            rq = q._submit(fd, write, addr, n, off, mode, align, f.piece, f.state, False,
+                           True, None, f.name, t, sink)
+        except BaseException:
+            _short_done(h, f, hold, write, 0, True)
+            raise
+        sq = ShortQueued.__new__(ShortQueued)
+        sq.rq = rq
+        sq.file = f
+        sq.hold = hold
+        return sq
+    done = -1
+    try:
+        done = q._run(fd, write, addr, n, off, mode, align, f.piece, f.state, False, f.name)
+    finally:
+        # an error or an interruption (the queue drained the request first) is raised
+        _short_done(h, f, hold, write, max(done, 0), done < 0)
+    return done
+
+
+cdef _short_done(h, f, hold, bint write, uint64_t done, bint failed):
+    lock = h._lock
+    lock.acquire()
+    try:
+        h._active -= 1
+        f._users -= 1
+        last = f._users == 0 and f._closed
+        _count_outcome(h._stats, write, done, failed)
+        if h._closed and h._active == 0:
+            h._idle.notify_all()
+    finally:
+        lock.release()
+    if hold is not None:
+        _f_pinned.registry.unhold(hold)
+    if last:
+        f._close_fd()
+
+
+def short_done(h, f, hold, bint write, uint64_t done, bint failed):
+    """A sync short-path request is over (``failed``: with an error the caller raises):
+    uncount it on the handle and the file."""
+    _short_done(h, f, hold, write, done, failed)
+
+
+def short_finish(h, ShortQueued sq, bint drain=False):
+    """Reap a queued short-path request (``drain``: without looking at signals)."""
+    cdef Request rq = sq.rq
+    done = -1
+    try:
+        done = rq.drain() if drain else rq.wait()
+    finally:
+        _short_done(h, sq.file, sq.hold, rq.r.opcode == abi.IOCB_CMD_PWRITE,
+                    rq.r.done if rq.seen else 0, done < 0)
+    return done
+
+
+cdef _finished_locked(h, outcome, error, bint counted):
+    outcome.error = error
+    if counted:
+        h._unwaited += 1
+        outcome.fut._wgen = h._wait_gen
+        if error is not None:
+            outcome.fut._ledger = h
+            h._errors.append(outcome)
+    seq = outcome.seq
+    opened = h._open
+    if opened and opened[0] == seq:
+        opened.popleft()
+        closed = h._closed_seqs
+        while opened and opened[0] in closed:
+            closed.remove(opened.popleft())
+    else:
+        h._closed_seqs.add(seq)
+    # wake a waiter only when what it waits for is over (one wake per wait, not one per
+    # finished request: each is a context switch)
+    targets = h._wait_targets
+    if targets and (not opened or opened[0] >= min(targets)):
+        h._finished.notify_all()
+
+
+def finished_locked(h, outcome, error, bint counted=True):
+    """An async request is over (the handle's lock held): record it, wake ``wait()``.
+    ``counted``: False for a request that failed to be submitted (its caller got the error;
+    ``wait()`` neither counts nor raises it)."""
+    _finished_locked(h, outcome, error, counted)
+
+
+cdef _finish_future(fut, result, error):
+    if fut._cond is None:
+        _f_cond_lock.acquire()
+        try:
+            if fut._cond is None:
+                if error is None:
+                    fut._result = result
+                else:
+                    fut._exception = error
+                fut._state = _f_finished
+                return
+        finally:
+            _f_cond_lock.release()
+    if error is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(error)
+
+
+def finish_future(fut, result, error):
+    """Complete an :class:`~aioswap.handle.IOFuture` (``set_result``/``set_exception``, or
+    just the fields when nobody has used it yet)."""
+    _finish_future(fut, result, error)
+
+
+def complete(h, list items):
+    """A lane's completion thread: a batch of finished short-path requests of ``h``."""
+    cdef Request rq
+    cdef Ticket t
+    closing = []
+    lock = h._lock
+    lock.acquire()
+    try:
+        stats = h._stats
+        for item in items:
+            rq = <Request>item
+            t = <Ticket>rq.token
+            f = t.file
+            f._users -= 1
+            if f._users == 0 and f._closed:
+                closing.append(f)
+            t.error = rq.error()
+            _count_outcome(stats, t.write, rq.r.done, t.error is not None)
+            h._active -= 1
+            _finished_locked(h, t, t.error, True)
+        if h._closed and h._active == 0:
+            h._idle.notify_all()
+    finally:
+        lock.release()
+    unhold = _f_pinned.registry.unhold
+    for item in items:
+        rq = <Request>item
+        t = <Ticket>rq.token
+        if t.hold is not None:
+            unhold(t.hold)
+        try:
+            _finish_future(t.fut, rq.r.done, t.error)
+        except BaseException:               # a callback's error stays with it
+            _log.exception("aioswap: completing a request failed")
+    for f in closing:
+        f._close_fd()

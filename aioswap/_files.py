@@ -174,13 +174,13 @@ class AioFile:
               async_op: bool = False) -> int | IOFuture:
         """Read into ``buffer`` at ``offset`` (see :meth:`aioswap.AioHandle.pread`)."""
         assert self._handle is not None
-        return self._handle._request(False, buffer, self, offset, nbytes, async_op, False)
+        return _aio.request(self._handle, False, buffer, self, offset, nbytes, async_op, False)
 
     def pwrite(self, buffer: Any, offset: int = 0, *, nbytes: int | None = None,
                async_op: bool = False, fsync: bool = False) -> int | IOFuture:
         """Write ``buffer`` at ``offset`` (see :meth:`aioswap.AioHandle.pwrite`)."""
         assert self._handle is not None
-        return self._handle._request(True, buffer, self, offset, nbytes, async_op, fsync)
+        return _aio.request(self._handle, True, buffer, self, offset, nbytes, async_op, fsync)
 
     def fsync(self) -> None:
         """Make the data and size written so far durable."""

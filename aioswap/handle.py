@@ -104,20 +104,17 @@ class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
     # that ends before anybody used it just records its result (_finish). Creating it and
     # that check happen under one lock, so a waiter always finds the result or is woken.
 
+    _cond: threading.Condition | None
+    _generation: int
+    op: str
+    file: FileArg
+    nbytes: int
+    offset: int
+
     def __init__(self, op: str, file: FileArg, nbytes: int, offset: int) -> None:
-        # Future.__init__'s fields; RUNNING is what set_running_or_notify_cancel() does for
-        # a future nobody else has seen yet (it cannot be cancelled)
-        self._cond: threading.Condition | None = None
-        self._state = _RUNNING
-        self._result = None
-        self._exception: BaseException | None = None
-        self._waiters: list[Any] = []
-        self._done_callbacks: list[Any] = []
-        self._generation = _fork_generation[0]
-        self.op = op
-        self.file = file
-        self.nbytes = nbytes
-        self.offset = offset
+        # Future.__init__'s fields (RUNNING is what set_running_or_notify_cancel() does for
+        # a future nobody else has seen yet: it cannot be cancelled), and the request's
+        _aio.init_future(self, op, file, nbytes, offset)
 
     @property
     def _condition(self) -> threading.Condition:      # type: ignore[override]
@@ -166,19 +163,7 @@ class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
     def _finish(self, result: int, error: BaseException | None) -> None:
         """Complete the future (the completion thread): set_result/set_exception, or just
         the fields when nobody has used it yet."""
-        if self._cond is None:
-            with _cond_lock:
-                if self._cond is None:
-                    if error is None:
-                        self._result = result
-                    else:
-                        self._exception = error
-                    self._state = _FINISHED
-                    return
-        if error is None:
-            self.set_result(result)
-        else:
-            self.set_exception(error)
+        _aio.finish_future(self, result, error)
 
     def __repr__(self) -> str:
         return (f"<IOFuture {self.op} {self.nbytes} bytes at {self.offset} of "
@@ -249,37 +234,9 @@ class _Queued:
         self.hold = hold
 
 
-class _Ticket:
-    """An asynchronous request of the short path, from submission to its future's result.
-
-    It is also the request's outcome for :meth:`AioHandle.wait` (``seq`` and ``error``).
-    """
-
-    __slots__ = ("error", "file", "fut", "handle", "hold", "nbytes", "offset", "seq",
-                 "write")
-
-    def __init__(self, handle: AioHandle, write: bool, file: AioFile, offset: int,
-                 nbytes: int, fut: IOFuture, hold: object | None) -> None:
-        self.handle = handle
-        self.write = write
-        self.file = file
-        self.offset = offset
-        self.nbytes = nbytes
-        self.fut = fut
-        self.hold = hold
-        self.seq = 0
-        self.error: BaseException | None = None
-
-
-class _ShortQueued:
-    """A sync short-path request in a lane's queue (a batch call reaps it later)."""
-
-    __slots__ = ("file", "hold", "rq")
-
-    def __init__(self, rq: _aio.Request, file: AioFile, hold: object | None) -> None:
-        self.rq = rq                # holds the caller's buffer until the request is reaped
-        self.file = file
-        self.hold = hold
+# an asynchronous short-path request, and a sync one in a batch (see _aio.short)
+_Ticket = _aio.Ticket
+_ShortQueued = _aio.ShortQueued
 
 
 class DeviceTransport:
@@ -757,7 +714,7 @@ class AioHandle:
         HandleClosedError
             The handle is closed.
         """
-        return self._request(False, buffer, file, offset, nbytes, async_op, False)
+        return _aio.request(self, False, buffer, file, offset, nbytes, async_op, False)
 
     @overload
     def pwrite(self, buffer: Any, file: FileArg, offset: int = ..., *,
@@ -784,7 +741,7 @@ class AioHandle:
         completes. Fds opened with ``O_APPEND`` are refused. Same parameters, returns and
         errors as :meth:`pread`.
         """
-        return self._request(True, buffer, file, offset, nbytes, async_op, fsync)
+        return _aio.request(self, True, buffer, file, offset, nbytes, async_op, fsync)
 
     def pread_many(self, requests: Iterable[Sequence[Any]], *,
                    async_op: bool = False) -> list[int] | list[IOFuture]:
@@ -809,8 +766,8 @@ class AioHandle:
             try:
                 for item in requests:
                     buf, file, *rest = item
-                    fut = self._request(write, buf, file, rest[0] if rest else 0, None, True,
-                                        False)
+                    fut = _aio.request(self, write, buf, file, rest[0] if rest else 0, None,
+                                       True, False)
                     assert isinstance(fut, IOFuture)
                     futs.append(fut)
             except BaseException:
@@ -980,29 +937,12 @@ class AioHandle:
                 fut._ledger = None
                 return
 
-    def _finished_locked(self, outcome: _Outcome | _Ticket, error: BaseException | None,
+    def _finished_locked(self, outcome: _Outcome | _aio.Ticket, error: BaseException | None,
                          counted: bool = True) -> None:
         """An async request is over (``self._lock`` held): record it, wake wait().
         ``counted``: False for a request that failed to be submitted (its caller got the
         error; wait() neither counts nor raises it)."""
-        outcome.error = error
-        if counted:
-            self._unwaited += 1
-            outcome.fut._wgen = self._wait_gen
-            if error is not None:
-                outcome.fut._ledger = self
-                self._errors.append(outcome)
-        seq = outcome.seq
-        if self._open and self._open[0] == seq:
-            self._open.popleft()
-            while self._open and self._open[0] in self._closed_seqs:
-                self._closed_seqs.remove(self._open.popleft())
-        else:
-            self._closed_seqs.add(seq)
-        # wake a waiter only when what it waits for is over (one wake per wait, not one per
-        # finished request: each is a context switch)
-        if self._wait_targets and (not self._open or self._open[0] >= min(self._wait_targets)):
-            self._finished.notify_all()
+        _aio.finished_locked(self, outcome, error, counted)
 
     def close(self) -> None:
         """Refuse new requests, finish those in flight, then free lanes, threads and rings.
@@ -1070,17 +1010,7 @@ class AioHandle:
 
     def _request(self, write: bool, buffer: Any, file: FileArg, offset: Any,
                  nbytes: Any, async_op: bool, fsync: bool) -> int | IOFuture:
-        if (nbytes is None and not fsync and type(buffer) in _short_types
-                and type(offset) is int and offset >= 0):
-            f = self._short_file(file, write)
-            if f is not None:
-                try:
-                    out = self._short(write, buffer, f, offset, 1 if async_op else 0, file)
-                finally:
-                    if f is not file:
-                        f.unuse()               # the request counted itself on the file
-                if out is not _SLOW:
-                    return out                  # type: ignore[return-value]
+        """The general path of a request (:func:`_aio.request` tries the short one)."""
         req = self._prepare(write, buffer, file, offset, nbytes, fsync)
         if async_op:
             return self._start_async(req)
@@ -1103,144 +1033,25 @@ class AioHandle:
 
     def _short(self, write: bool, t: Any, f: AioFile, offset: Any,
                how: int, arg: FileArg, sink: list[_aio.Request] | None = None
-               ) -> int | IOFuture | _ShortQueued | object:
+               ) -> int | IOFuture | _aio.ShortQueued | object:
         """The short path of the common request: a plain contiguous CPU tensor, whole, on a
         file this handle opened, in one lane's queue.
 
-        The same checks and accounting as the general path, in one function, with the
-        handle and the file counted under one lock, and a sync request as one
+        The same checks and accounting as the general path, compiled (:func:`_aio.short`),
+        with the handle and the file counted under one lock, and a sync request as one
         :meth:`AioQueue.run`. ``how``: 0 runs it, 1 returns its future, 2 queues it and
-        returns a :class:`_ShortQueued` for :meth:`_short_finish`. Returns ``_SLOW`` for
+        returns a :class:`_aio.ShortQueued` for :meth:`_short_finish`. Returns ``_SLOW`` for
         anything else (the general path then also raises every error).
         """
-        if (type(offset) is not int or offset < 0 or f._lock is not self._lock or f._closed
-                or self._generation != _fork_generation[0] or not t.is_cpu
-                or t.layout is not _short_layout or not t.is_contiguous() or t.is_conj()
-                or t.is_neg()):
-            return _SLOW
-        n = t.nbytes
-        if n == 0 or not (f.writable if write else f.readable):
-            return _SLOW
-        lanes = self._lanes
-        if len(lanes) > 1:
-            if n >= 2 * f.piece:
-                return _SLOW                    # cut across the lanes
-            self._rr = rr = (self._rr + 1) % len(lanes)     # a hint: races are fine
-            lane = lanes[rr]
-        else:
-            lane = lanes[0]
-        end = offset + n
-        if not write and end > f.size():
-            # the size now, not a remembered one: an O_DIRECT read past the end of a file
-            # that another process truncated would zero-fill the destination past the data
-            return _SLOW                        # raises ShortReadError before any I/O
-        addr = t.data_ptr()
-        hold, locked = pinned.registry.io_hold(addr, n)
-        mode, edges, middle = _plan(f, addr, n, offset, locked)
-        align = f.off_align
-        if mode != _aio.MODE_PLAIN and not lane.ring.attached:
-            lane.ring.ensure()
-        ticket = None
-        if how == 1:
-            fut = IOFuture("write" if write else "read", arg, n, offset)
-            fut._hurry = lane.queue.hurry
-            ticket = _Ticket(self, write, f, offset, n, fut, hold)
-            if lane.thread is None:
-                lane.start()
-        with self._lock:
-            if self._closed or f._closed:
-                if hold is not None:
-                    pinned.registry.unhold(hold)
-                return _SLOW                    # raises the closed error
-            self._active += 1
-            f._users += 1
-            self._count_paths(mode, edges, middle)
-            if ticket is not None:
-                ticket.seq = seq = self._seq
-                self._seq = seq + 1
-                self._open.append(seq)
-                self._stats.async_ops += 1
-        if ticket is not None:
-            try:
-                lane.queue.submit(f._fd, write, addr, n, offset, mode, align, f.piece,
-                                  f.state, False, False, ticket, f.name, t)
-            except BaseException:
-                with self._lock:
-                    self._finished_locked(ticket, None, counted=False)
-                self._short_done(f, hold, write, 0, True)
-                raise
-            return ticket.fut
-        if how == 2:
-            try:
-                rq = lane.queue.submit(f._fd, write, addr, n, offset, mode, align,
-                                       f.piece, f.state, False, True, None, f.name, t, sink)
-            except BaseException:
-                self._short_done(f, hold, write, 0, True)
-                raise
-            return _ShortQueued(rq, f, hold)
-        done = -1
-        try:
-            done = lane.queue.run(f._fd, write, addr, n, offset, mode, align, f.piece,
-                                  f.state, False, f.name)
-        finally:
-            # an error or an interruption (the queue drained the request first) is raised
-            self._short_done(f, hold, write, max(done, 0), done < 0)
-        return done
+        return _aio.short(self, write, t, f, offset, how, arg, sink)
 
-    def _short_finish(self, q: _ShortQueued, drain: bool = False) -> int:
+    def _short_finish(self, q: _aio.ShortQueued, drain: bool = False) -> int:
         """Reap a queued short-path request (``drain``: without looking at signals)."""
-        rq = q.rq
-        done = -1
-        try:
-            done = rq.drain() if drain else rq.wait()
-        finally:
-            self._short_done(q.file, q.hold, rq.write, rq.done if rq.finished else 0,
-                             done < 0)
-        return done
-
-    def _short_done(self, f: AioFile, hold: object | None, write: bool, done: int,
-                    failed: bool) -> None:
-        """A sync short-path request is over (``failed``: with an error the caller raises):
-        uncount it on the handle and the file."""
-        with self._lock:
-            self._active -= 1
-            f._users -= 1
-            last = f._users == 0 and f._closed
-            self._count_outcome(write, done, failed)
-            if self._closed and self._active == 0:
-                self._idle.notify_all()
-        if hold is not None:
-            pinned.registry.unhold(hold)
-        if last:
-            f._close_fd()
+        return _aio.short_finish(self, q, drain)
 
     def _complete(self, items: list[_aio.Request]) -> None:
         """The completion thread: a batch of finished short-path requests."""
-        closing: list[AioFile] = []
-        with self._lock:
-            for rq in items:
-                t = rq.token
-                f = t.file
-                f._users -= 1
-                if f._users == 0 and f._closed:
-                    closing.append(f)
-                t.error = rq.error()
-                self._count_outcome(t.write, rq.done, t.error is not None)
-                self._active -= 1
-                self._finished_locked(t, t.error)
-            if self._closed and self._active == 0:
-                self._idle.notify_all()
-        unhold = pinned.registry.unhold
-        for rq in items:
-            t = rq.token
-            if t.hold is not None:
-                unhold(t.hold)
-            try:
-                t.fut._finish(rq.done, t.error)
-            except BaseException:               # a callback's error stays with it
-                _log.exception("aioswap: completing a request failed")
-        for f in closing:
-            f._close_fd()
+        _aio.complete(self, items)
 
     def _error(self, write: bool, f: AioFile, offset: int, n: int, done: int, err: int,
                eoff: int, en: int) -> BaseException:
@@ -1438,26 +1249,11 @@ class AioHandle:
 
     def _count_paths(self, mode: int, edges: int, middle: int) -> None:
         """Bytes per path into the stats (the caller holds ``self._lock``)."""
-        st = self._stats
-        if mode == _aio.MODE_DIRECT:
-            st.direct_bytes += middle
-        elif mode == _aio.MODE_BOUNCE:
-            st.bounce_bytes += middle
-        else:
-            st.buffered_bytes += middle
-        st.head_tail_bytes += edges
+        _aio.count_paths(self._stats, mode, edges, middle)
 
     def _count_outcome(self, write: bool, done: int, failed: bool) -> None:
         """A finished request into the stats (the caller holds ``self._lock``)."""
-        st = self._stats
-        if failed:
-            st.failed += 1
-        elif write:
-            st.write_bytes += done
-            st.writes += 1
-        else:
-            st.read_bytes += done
-            st.reads += 1
+        _aio.count_outcome(self._stats, write, done, failed)
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -1932,3 +1728,6 @@ def _copy_back(mem: Buffer, tmp: Any, n: int) -> None:
         flat[:k] = tmp.reshape(-1)[:k]
         if not np.shares_memory(flat, arr):
             np.copyto(arr, flat.reshape(arr.shape))
+
+
+_aio.front_setup(sys.modules[__name__], pinned)

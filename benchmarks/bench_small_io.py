@@ -22,6 +22,11 @@ microseconds per I/O of each (aioswap: ``resource.getrusage``; fio: its usr+sys 
 Then large transfers (``--large``, bs 1 MiB, qd 32): direct (pinned) and bounce (unpinned,
 misaligned tensor) against fio, with CPU seconds per GiB of each (``resource.getrusage``).
 
+``--cpu-dir DIR`` (e.g. ``/dev/shm``, RAM that takes ``O_DIRECT`` here) prints the CPU
+microseconds per 4 KiB read (``resource.getrusage`` of this process, every thread) of
+``os.preadv``, sync through a file and an fd, 32 async through a file, and ``pread_many``
+of 32: what a request costs with the drive out of the picture.
+
 ``--buffered SIZE`` adds cold-cache buffered random reads (a file of SIZE, page cache
 dropped before each measurement: fsync + ``POSIX_FADV_DONTNEED``),
 64 KiB and 1 MiB, 32 in flight: every backend with ``AIOSWAP_BUFFERED=1`` against fio
@@ -310,6 +315,62 @@ def ratio(a: list[float], b: list[float]) -> str:
     return f"{statistics.median(a) / statistics.median(b):.2f}x"
 
 
+CPU_METHODS = ("os.preadv", "sync file", "sync fd", "async x32", "batch x32")
+
+
+def run_cpu(h: aioswap.AioHandle, d: str, ops: int, qd: int,
+            rounds: int) -> dict[str, float]:
+    """CPU microseconds per 4 KiB read on a file in ``d`` (best of ``rounds``)."""
+    bs, fsize = 4096, 64 << 20
+    fdp, path = tempfile.mkstemp(prefix="aioswap-bench-cpu-", dir=d)
+    try:
+        os.write(fdp, os.urandom(fsize))
+        os.close(fdp)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)     # raises where d refuses O_DIRECT
+        f = h.open(path, "r")
+        buf = pinned.empty(qd * bs, torch.uint8, strict=False)
+        views = [buf[i * bs:(i + 1) * bs] for i in range(qd)]
+        mv = memoryview(buf.numpy())[:bs]
+        offs = offsets(ops, bs, fsize, 5)
+
+        def preadv() -> None:
+            for off in offs:
+                os.preadv(fd, [mv], off)
+
+        def sync_file() -> None:
+            for off in offs:
+                f.pread(views[0], off)
+
+        def sync_fd() -> None:
+            for off in offs:
+                h.pread(views[0], fd, off)
+
+        def async32() -> None:
+            for start in range(0, len(offs), qd):
+                for i, off in enumerate(offs[start:start + qd]):
+                    f.pread(views[i], off, async_op=True)
+                h.wait()
+
+        def batch32() -> None:
+            for start in range(0, len(offs), qd):
+                h.pread_many([(views[i], f, off) for i, off in
+                              enumerate(offs[start:start + qd])])
+
+        fns = dict(zip(CPU_METHODS, (preadv, sync_file, sync_fd, async32, batch32)))
+        best: dict[str, float] = {}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                c0 = cpu_s()
+                fn()
+                us = (cpu_s() - c0) / ops * 1e6
+                best[name] = min(best.get(name, us), us)
+        f.close()
+        os.close(fd)
+        return best
+    finally:
+        os.unlink(path)
+
+
 def run_large(h: aioswap.AioHandle, d: str, nbytes: int, rounds: int) -> None:
     path = os.path.join(d, "aioswap-bench-large.bin")
     pinned_t = pinned.empty(nbytes, torch.uint8, strict=False)
@@ -379,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--buffered", type=size, default=0,
                     help="also cold-cache buffered random reads on a file of this size "
                          "(real: 1G; default 0: skipped)")
+    ap.add_argument("--cpu-dir", default=None,
+                    help="also CPU per 4 KiB read on a RAM-backed file in this directory "
+                         "(e.g. /dev/shm; it must take O_DIRECT)")
     ap.add_argument("--json", action="store_true",
                     help="print one JSON object (median IOPS and ratios) instead of tables")
     a = ap.parse_args(argv)
@@ -458,6 +522,14 @@ def main(argv: list[str] | None = None) -> int:
                     out["buffered"] = rows
                     if not a.json:
                         print_backends(rows)
+                if a.cpu_dir:
+                    cpu = run_cpu(h, a.cpu_dir, max(a.ops, 2000), a.qd, max(a.repeat, 3))
+                    out["cpu_us_per_request"] = cpu
+                    if not a.json:
+                        print(f"\nCPU per 4 KiB read on a file in {a.cpu_dir} (us, all "
+                              f"threads, best of {max(a.repeat, 3)})")
+                        for k, v in cpu.items():
+                            print(f"  {k:<16}{v:8.2f}")
                 if a.json:
                     print(json.dumps(out))
             finally:

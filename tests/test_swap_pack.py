@@ -103,15 +103,16 @@ def test_batched_requests_and_one_fsync_per_pack(tmp_dir: Path, monkeypatch) -> 
         real_fsync(fd)
 
     with aioswap.AioHandle() as h, TensorSwapper(tmp_dir / "s", handle=h) as sw:
-        real = h._request           # every request of the handle and its files comes here
+        real = aioswap._aio.request     # every request of a handle and its files comes here
 
-        def counted(write, buffer, file, *args):
-            # the swapper's files are the handle's own (never a raw fd or a path per request)
-            assert isinstance(file, aioswap.AioFile), file
-            calls["pwrite" if write else "pread"].append(args[-2])     # async_op
-            return real(write, buffer, file, *args)
+        def counted(handle, write, buffer, file, *args):
+            if handle is h:
+                # the swapper's files are the handle's own (never a raw fd or a path)
+                assert isinstance(file, aioswap.AioFile), file
+                calls["pwrite" if write else "pread"].append(args[-2])     # async_op
+            return real(handle, write, buffer, file, *args)
 
-        monkeypatch.setattr(h, "_request", counted)
+        monkeypatch.setattr(aioswap._aio, "request", counted)
         monkeypatch.setattr(os, "fsync", counting_fsync)
         sw.swap_out_state_dict("sd/", sd)
         monkeypatch.setattr(os, "fsync", real_fsync)
