@@ -2051,28 +2051,14 @@ cdef class AioQueue:
         r.stage = ST_HEAD
         r.queued = True
         q = &self.q
-        if not sync and q.threads == NULL:
-            # Linked with the GIL held: q.mu is only ever held briefly and never by a thread
-            # that waits for the GIL, and releasing the GIL here would hand it to the
-            # completion thread between the requests of a burst (a futex round trip each).
-            pt.pthread_mutex_lock(&q.mu)
-            q.nasync += 1
-            q.last_async = _mono()
-            if q.pend_head == NULL:
-                _wake(q)                    # the completion thread submits it
-            # else whoever linked the first pending request woke it, and it takes every
-            # pending request in its next round
-            _link(q, r)
-            pt.pthread_mutex_unlock(&q.mu)
-            if sink is not None:
-                sink.append(req)
-            return req
         with nogil:
             pt.pthread_mutex_lock(&q.mu)
             if not sync:
                 q.nasync += 1
                 q.last_async = _mono()
             _link(q, r)
+            if not sync:
+                _wake(q)                    # the completion thread reaps for it
             pt.pthread_mutex_unlock(&q.mu)
             # An asynchronous request is submitted by the thread that reaps it, the
             # completion thread (in its next round; a burst goes out in one submission), so
@@ -2084,10 +2070,6 @@ cdef class AioQueue:
             # lanes must all be moving while it waits for the first); worker threads too.
             if sync or q.threads != NULL:
                 _feed(q)
-            if not sync:                    # the completion thread reaps for it
-                pt.pthread_mutex_lock(&q.mu)
-                _wake(q)
-                pt.pthread_mutex_unlock(&q.mu)
         if sink is not None:
             sink.append(req)
         return req
