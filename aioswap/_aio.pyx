@@ -555,17 +555,6 @@ from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from posix.uio cimport iovec
 
 
-def fd_identity(int fd):
-    """``(flags, st_dev, st_ino, st_mode)`` of an open descriptor (``fcntl(F_GETFL)`` and
-    ``fstat`` in one call, no ``stat_result`` built), or None when either fails (the caller
-    asks again the slow way, for the error it raises)."""
-    cdef struct_stat st
-    cdef int fl = c_fcntl(fd, F_GETFL)
-    if fl < 0 or fstat(fd, &st) < 0:
-        return None
-    return (fl, st.st_dev, st.st_ino, st.st_mode)
-
-
 def fsize(int fd):
     """``fstat(fd).st_size`` without building a ``stat_result`` (a read asks it each time)."""
     cdef struct_stat st
@@ -2301,7 +2290,14 @@ def request(h, bint write, buffer, file, offset, nbytes, bint async_op, bint fsy
     else the handle's general path (``AioHandle._request``)."""
     if (nbytes is None and not fsync and type(buffer) in _f_types and type(offset) is int
             and offset >= 0):
-        f = file if type(file) is _f_file else h._short_file(file, write)
+        if type(file) is _f_file:
+            f = file
+        else:
+            f = None
+            if not h._closed and h._generation == _f_gen[0]:
+                f = cached_hit(h, file, write)
+            if f is None:
+                f = h._short_file(file, write)
         if f is not None:
             try:
                 out = short(h, write, buffer, f, offset, 1 if async_op else 0, file)
@@ -2374,6 +2370,65 @@ def count_paths(st, int mode, uint64_t edges, uint64_t middle):
 def count_outcome(st, bint write, uint64_t done, bint failed):
     """A finished request into a handle's stats (its lock held)."""
     _count_outcome(st, write, done, failed)
+
+
+cdef extern from "<sys/stat.h>" nogil:
+    int c_stat "stat"(const char* path, struct_stat* buf)
+    bint S_ISREG(int mode)
+    bint S_ISBLK(int mode)
+
+cdef extern from "<fcntl.h>":
+    enum:
+        O_ACCMODE
+        O_RDONLY
+        O_WRONLY
+        O_APPEND
+
+
+def cached_hit(h, file, bint write):
+    """The handle's own open file behind a path or fd argument, when it has one that takes
+    the request (see ``AioHandle._cached``), pinned (counted as in use); None for anything
+    else, which ``AioHandle._cached`` then opens or refuses with its error.
+
+    One ``stat`` (path) or ``fcntl(F_GETFL)`` + ``fstat`` (fd) says which file the argument
+    is now (device, inode) and, for an fd, whether its access mode allows the request.
+    """
+    cdef struct_stat st
+    cdef int fl, fd
+    if type(file) is int:
+        if not 0 <= file < 0x7fffffff:
+            return None
+        fd = file
+        fl = c_fcntl(fd, F_GETFL)
+        if fl < 0 or fstat(fd, &st) < 0:
+            return None
+        if write:
+            if fl & O_ACCMODE == O_RDONLY or fl & O_APPEND:
+                return None
+        elif fl & O_ACCMODE == O_WRONLY:
+            return None
+    else:
+        if type(file) is str:
+            path = (<str>file).encode("utf-8", "surrogateescape")
+        else:
+            path = os.fsencode(file)
+        if b"\0" in path or c_stat(path, &st) < 0:
+            return None
+    if not (S_ISREG(st.st_mode) or S_ISBLK(st.st_mode)):
+        return None
+    key = (st.st_dev, st.st_ino)
+    lock = h._lock
+    lock.acquire()
+    try:
+        files = h._files
+        f = files.get(key)
+        if f is not None and not f._closed and (f.writable or not write):
+            files.move_to_end(key)
+            f._users += 1                   # pinned: unpinned by the request's end
+            return f
+    finally:
+        lock.release()
+    return None
 
 
 def short(h, bint write, t, f, offset, int how, arg, list sink=None):

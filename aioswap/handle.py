@@ -30,7 +30,6 @@ import logging
 import operator
 import os
 import queue
-import stat
 import sys
 import threading
 import warnings
@@ -1131,17 +1130,13 @@ class AioHandle:
         back pinned (counted as in use, so neither an eviction nor ``close()`` closes its
         descriptor under the request); the request's end unpins it (``unuse``).
         """
+        f = _aio.cached_hit(self, file, write)     # one C call for the usual case
+        if f is not None:
+            return f  # type: ignore[no-any-return]
+        # not open yet, or unusual: asked again the slow way, which raises the errors
         checked = None
-        key: tuple[int, int] | None = None
         if isinstance(file, int):
-            # one C call for the usual case; anything unusual asks again the slow way, which
-            # raises the error with its message
-            ident = _aio.fd_identity(file)
-            if ident is not None and _fd_allows(ident[0], ident[3], write):
-                key = (ident[1], ident[2])
-            else:
-                checked = _files.check_fd(file, write)
-                key = (checked[1].st_dev, checked[1].st_ino)
+            checked = _files.check_fd(file, write)
         else:
             try:
                 st = os.stat(file)
@@ -1151,15 +1146,7 @@ class AioHandle:
                 st = None                       # a write creates it
             if st is not None:
                 _files.check_kind(st, describe(file))
-                key = (st.st_dev, st.st_ino)
         files = self._files
-        if key is not None:
-            with self._lock:
-                f = files.get(key)
-                if f is not None and not f._closed and (f.writable or not write):
-                    files.move_to_end(key)
-                    f._users += 1               # pinned: unpinned by the request's end
-                    return f
         if isinstance(file, int):
             f = _files.open_fd(self, file, write, on_buffered=self._buffered_warn,
                                direct=not self._buffered_only,
@@ -1639,18 +1626,6 @@ def _close_shared() -> None:
 
 
 atexit.register(_close_shared)
-
-
-def _fd_allows(flags: int, mode: int, write: bool) -> bool:
-    """Whether a caller's fd with these ``F_GETFL`` flags and ``st_mode`` takes the request
-    as it is (:func:`aioswap._files.check_fd` says why not)."""
-    acc = flags & os.O_ACCMODE
-    if write:
-        if acc == os.O_RDONLY or flags & os.O_APPEND:
-            return False
-    elif acc == os.O_WRONLY:
-        return False
-    return stat.S_ISREG(mode) or stat.S_ISBLK(mode)
 
 
 def _plan(f: AioFile, address: int, n: int, offset: int,

@@ -1198,17 +1198,34 @@ def test_address_view_reads_the_bytes_without_a_new_type() -> None:
         _aio.address_view(0, 8)
 
 
-def test_fd_identity_is_fcntl_and_fstat_in_one_call(tmp_path: Path) -> None:
-    import fcntl
+def test_cached_hit_finds_the_handles_file_by_fd_and_path(tmp_path: Path) -> None:
+    """One C call (fcntl + fstat, or stat) finds the handle's own file for an fd or a path,
+    pinned; anything it cannot vouch for is None (the handle's slow path decides)."""
     p = tmp_path / "x.bin"
-    p.write_bytes(b"x" * 100)
-    for flags in (os.O_RDONLY, os.O_WRONLY | os.O_APPEND, os.O_RDWR):
-        fd = os.open(p, flags)
+    p.write_bytes(b"x" * 4096)
+    with aioswap.AioHandle() as h:
+        assert _aio.cached_hit(h, str(p), False) is None        # not open yet
+        h.pread(bytearray(4096), str(p))
+        (f,) = h._files.values()
+        users = f._users
+        for arg in (str(p), p, os.fsencode(p)):
+            assert _aio.cached_hit(h, arg, False) is f
+            assert f._users == users + 1
+            f.unuse()
+        fd = os.open(p, os.O_RDONLY)
         try:
-            st = os.fstat(fd)
-            want = (fcntl.fcntl(fd, fcntl.F_GETFL), st.st_dev, st.st_ino, st.st_mode)
-            assert _aio.fd_identity(fd) == want
+            assert _aio.cached_hit(h, fd, False) is f
+            f.unuse()
+            assert _aio.cached_hit(h, fd, True) is None         # a read-only fd
         finally:
             os.close(fd)
-    assert _aio.fd_identity(fd) is None            # closed now
-    assert _aio.fd_identity(-1) is None
+        fd = os.open(p, os.O_WRONLY | os.O_APPEND)
+        try:
+            assert _aio.cached_hit(h, fd, True) is None         # O_APPEND
+            assert _aio.cached_hit(h, fd, False) is None        # write-only
+        finally:
+            os.close(fd)
+        assert _aio.cached_hit(h, fd, False) is None            # closed now
+        for bad in (-1, 1 << 40, str(tmp_path), str(tmp_path / "missing"), "a\0b"):
+            assert _aio.cached_hit(h, bad, False) is None
+        assert f._users == users
