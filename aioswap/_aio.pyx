@@ -2431,13 +2431,47 @@ def cached_hit(h, file, bint write):
     return None
 
 
+cdef int _plan(bint direct, uint64_t align, uint64_t mem_align, uint64_t addr, uint64_t n,
+              int64_t off, object locked, uint64_t* edges, uint64_t* middle) except -1:
+    cdef uint64_t head, tail
+    if not direct:
+        edges[0] = 0
+        middle[0] = n
+        return M_PLAIN
+    head = (align - <uint64_t>off % align) % align
+    if head > n:
+        head = n
+    tail = (<uint64_t>off + n) % align
+    edges[0] = head + (tail if n - head >= tail else 0)
+    middle[0] = n - edges[0]
+    if (middle[0] > 0 and (addr + head) % mem_align == 0
+            and (locked or ((locked is None or edges[0] > 0)
+                            and _f_pinned.is_pinned((addr + head, middle[0]))))):
+        return M_DIRECT
+    return M_BOUNCE
+
+
+def plan(f, uint64_t address, uint64_t n, int64_t offset, locked):
+    """How the pieces of a contiguous host request run: ``(mode, edge bytes, middle bytes)``.
+
+    Direct when the middle (between the unaligned edge blocks) is page-locked and its memory
+    lines up with the file's alignment; bounced otherwise; plain on a buffered file.
+    ``locked``: whether all of ``[address, address + n)`` is page-locked, or None (unknown:
+    the registry is asked); with edges, a False still asks about the middle alone.
+    """
+    cdef uint64_t edges, middle
+    mode = _plan(f.direct, f.off_align, f.mem_align, address, n, offset, locked, &edges,
+                 &middle)
+    return mode, edges, middle
+
+
 def short(h, bint write, t, f, offset, int how, arg, list sink=None):
     """The short path of one request (see ``AioHandle._short``): ``how`` 0 runs it and
     returns the bytes moved, 1 returns its future, 2 queues it and returns a
     :class:`ShortQueued`; ``SLOW`` for anything else."""
     global _f_layout
     cdef int64_t off
-    cdef uint64_t n, addr, align, head, tail, edges, middle
+    cdef uint64_t n, addr, align, edges, middle
     cdef int64_t size
     cdef int mode
     cdef bint locked, counted = False
@@ -2482,20 +2516,7 @@ def short(h, bint write, t, f, offset, int how, arg, list sink=None):
     hold, locked = registry.io_hold(addr, n)
     try:
         align = f.off_align
-        if not f.direct:
-            mode, edges, middle = M_PLAIN, 0, n
-        else:
-            head = (align - <uint64_t>off % align) % align
-            if head > n:
-                head = n
-            tail = (<uint64_t>off + n) % align
-            edges = head + (tail if n - head >= tail else 0)
-            middle = n - edges
-            if (middle > 0 and (addr + head) % <uint64_t>f.mem_align == 0
-                    and (locked or (edges > 0 and _f_pinned.is_pinned((addr + head, middle))))):
-                mode = M_DIRECT
-            else:
-                mode = M_BOUNCE
+        mode = _plan(f.direct, align, f.mem_align, addr, n, off, locked, &edges, &middle)
         if mode != M_PLAIN:
             ring = lane.ring
             if not ring.attached:

@@ -1628,26 +1628,7 @@ def _close_shared() -> None:
 atexit.register(_close_shared)
 
 
-def _plan(f: AioFile, address: int, n: int, offset: int,
-          locked: bool | None) -> tuple[int, int, int]:
-    """How the pieces of a contiguous host request run: ``(mode, edge bytes, middle bytes)``.
-
-    Direct when the middle (between the unaligned edge blocks) is page-locked and its memory
-    lines up with the file's alignment; bounced otherwise; plain on a buffered file.
-    ``locked``: whether all of ``[address, address + n)`` is page-locked, or None (unknown:
-    the registry is asked); with edges, a False still asks about the middle alone.
-    """
-    if not f.direct:
-        return _aio.MODE_PLAIN, 0, n
-    align = f.off_align
-    head = min(n, (-offset) % align)
-    tail = (offset + n) % align
-    edges = head + (tail if n - head >= tail else 0)
-    middle = n - edges
-    direct = (middle > 0 and (address + head) % f.mem_align == 0
-              and (locked or ((locked is None or edges > 0)
-                              and pinned.is_pinned((address + head, middle)))))
-    return (_aio.MODE_DIRECT if direct else _aio.MODE_BOUNCE), edges, middle
+_plan = _aio.plan       # (mode, edge bytes, middle bytes) of a contiguous host request
 
 
 def _integer(value: Any, what: str, file: Any) -> int:
