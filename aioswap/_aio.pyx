@@ -2631,6 +2631,25 @@ def short_finish(h, ShortQueued sq, bint drain=False):
     return done
 
 
+cdef inline void _close_seq(object opened, set closed, object seq):
+    """Submission number ``seq`` is over: off the front of ``opened`` (and whatever had
+    finished behind it), or into ``closed`` until the ones before it are over."""
+    if opened and opened[0] == seq:
+        opened.popleft()
+        while opened and opened[0] in closed:
+            closed.remove(opened.popleft())
+    else:
+        closed.add(seq)
+
+
+cdef inline void _wake_waiters(h, object opened):
+    # wake a waiter only when what it waits for is over (one wake per wait, not one per
+    # finished request: each is a context switch)
+    targets = h._wait_targets
+    if targets and (not opened or opened[0] >= min(targets)):
+        h._finished.notify_all()
+
+
 cdef _finished_locked(h, outcome, error, bint counted):
     outcome.error = error
     if counted:
@@ -2639,20 +2658,9 @@ cdef _finished_locked(h, outcome, error, bint counted):
         if error is not None:
             outcome.fut._ledger = h
             h._errors.append(outcome)
-    seq = outcome.seq
     opened = h._open
-    if opened and opened[0] == seq:
-        opened.popleft()
-        closed = h._closed_seqs
-        while opened and opened[0] in closed:
-            closed.remove(opened.popleft())
-    else:
-        h._closed_seqs.add(seq)
-    # wake a waiter only when what it waits for is over (one wake per wait, not one per
-    # finished request: each is a context switch)
-    targets = h._wait_targets
-    if targets and (not opened or opened[0] >= min(targets)):
-        h._finished.notify_all()
+    _close_seq(opened, h._closed_seqs, outcome.seq)
+    _wake_waiters(h, opened)
 
 
 def finished_locked(h, outcome, error, bint counted=True):
@@ -2688,25 +2696,55 @@ def finish_future(fut, result, error):
 
 
 def complete(h, list items):
-    """A lane's completion thread: a batch of finished short-path requests of ``h``."""
+    """A lane's completion thread: a batch of finished short-path requests of ``h`` (the
+    handle's counters updated once per batch, under one hold of its lock)."""
     cdef Request rq
     cdef Ticket t
+    cdef Py_ssize_t n = len(items)
+    cdef uint64_t rbytes = 0, wbytes = 0
+    cdef Py_ssize_t nreads = 0, nwrites = 0, nfailed = 0
     closing = []
     lock = h._lock
     lock.acquire()
     try:
-        stats = h._stats
+        wait_gen = h._wait_gen
+        opened = h._open
+        closed = h._closed_seqs
         for item in items:
             rq = <Request>item
             t = <Ticket>rq.token
             f = t.file
-            f._users -= 1
-            if f._users == 0 and f._closed:
+            users = f._users - 1
+            f._users = users
+            if users == 0 and f._closed:
                 closing.append(f)
-            t.error = rq.error()
-            _count_outcome(stats, t.write, rq.r.done, t.error is not None)
-            h._active -= 1
-            _finished_locked(h, t, t.error, True)
+            err = rq.error() if rq.r.err or rq.r.eof else None
+            t.error = err
+            fut = t.fut
+            fut._wgen = wait_gen
+            if err is not None:
+                nfailed += 1
+                fut._ledger = h
+                h._errors.append(t)
+            elif t.write:
+                nwrites += 1
+                wbytes += rq.r.done
+            else:
+                nreads += 1
+                rbytes += rq.r.done
+            _close_seq(opened, closed, t.seq)
+        h._unwaited += n
+        h._active -= n
+        stats = h._stats
+        if nreads:
+            stats.reads += nreads
+            stats.read_bytes += rbytes
+        if nwrites:
+            stats.writes += nwrites
+            stats.write_bytes += wbytes
+        if nfailed:
+            stats.failed += nfailed
+        _wake_waiters(h, opened)
         if h._closed and h._active == 0:
             h._idle.notify_all()
     finally:
@@ -2723,3 +2761,26 @@ def complete(h, list items):
             _log.exception("aioswap: completing a request failed")
     for f in closing:
         f._close_fd()
+
+
+def deliver(list batch):
+    """A lane's completion thread: finish a batch of requests (their futures' callbacks run
+    here): the short path's in one :func:`complete` per handle, the others through their
+    token's ``part_done``."""
+    cdef Request rq
+    tickets = []
+    for item in batch:
+        rq = <Request>item
+        token = rq.token
+        if type(token) is Ticket:
+            tickets.append(rq)
+            continue
+        try:
+            token.part_done(rq)
+        except BaseException:               # never let one callback stop the lane
+            _log.exception("aioswap: completing a request failed")
+    if tickets:
+        try:
+            complete((<Ticket>(<Request>tickets[0]).token).handle, tickets)
+        except BaseException:
+            _log.exception("aioswap: completing requests failed")

@@ -280,7 +280,7 @@ class _Lane:
             batch = serve()
             if batch is None:
                 return
-            _deliver(batch)
+            _aio.deliver(batch)
             # nothing of a finished batch stays referenced while this thread waits for the
             # next one: a dropped handle or buffer is freed now, not after the next request
             del batch
@@ -336,26 +336,6 @@ class _Stager:
         self.jobs.put(None)
         if t is not threading.current_thread():
             t.join()
-
-
-def _deliver(batch: list[_aio.Request]) -> None:
-    """A lane's completion thread: finish a batch of requests (their futures' callbacks
-    run here)."""
-    tickets = []
-    for rq in batch:
-        token = rq.token
-        if type(token) is _Ticket:
-            tickets.append(rq)
-            continue
-        try:
-            token.part_done(rq)
-        except BaseException:       # never let one callback stop the lane
-            _log.exception("aioswap: completing a request failed")
-    if tickets:
-        try:
-            tickets[0].token.handle._complete(tickets)
-        except BaseException:
-            _log.exception("aioswap: completing requests failed")
 
 
 class _Async:
@@ -1047,10 +1027,6 @@ class AioHandle:
     def _short_finish(self, q: _aio.ShortQueued, drain: bool = False) -> int:
         """Reap a queued short-path request (``drain``: without looking at signals)."""
         return _aio.short_finish(self, q, drain)
-
-    def _complete(self, items: list[_aio.Request]) -> None:
-        """The completion thread: a batch of finished short-path requests."""
-        _aio.complete(self, items)
 
     def _error(self, write: bool, f: AioFile, offset: int, n: int, done: int, err: int,
                eoff: int, en: int) -> BaseException:
