@@ -2293,6 +2293,8 @@ def request(h, bint write, buffer, file, offset, nbytes, bint async_op, bint fsy
         if type(file) is _f_file:
             f = file
         else:
+            # the handle's file in one C call; on a miss (its first use: an open follows)
+            # _short_file asks once more, then opens it or refuses the argument
             f = None
             if not h._closed and h._generation == _f_gen[0]:
                 f = cached_hit(h, file, write)
@@ -2329,7 +2331,7 @@ def init_future(fut, op, file, nbytes, offset):
 cdef class Ticket:
     """An asynchronous short-path request from submission to its future's result; also its
     outcome for ``AioHandle.wait`` (``seq``, ``error``)."""
-    cdef public object handle, file, fut, hold, error, offset, nbytes
+    cdef public object handle, file, fut, hold, error
     cdef public bint write
     cdef public long long seq
 
@@ -2410,8 +2412,10 @@ def cached_hit(h, file, bint write):
     else:
         if type(file) is str:
             path = (<str>file).encode("utf-8", "surrogateescape")
-        else:
+        elif type(file) is bytes or isinstance(file, os.PathLike):
             path = os.fsencode(file)
+        else:
+            return None                     # a bool, a float, ...: the slow path refuses it
         if b"\0" in path or c_stat(path, &st) < 0:
             return None
     if not (S_ISREG(st.st_mode) or S_ISBLK(st.st_mode)):
@@ -2530,8 +2534,6 @@ def short(h, bint write, t, f, offset, int how, arg, list sink=None):
             ticket.handle = h
             ticket.write = write
             ticket.file = f
-            ticket.offset = offset
-            ticket.nbytes = n
             ticket.fut = fut
             ticket.hold = hold
             if lane.thread is None:
@@ -2596,6 +2598,8 @@ def short(h, bint write, t, f, offset, int how, arg, list sink=None):
 
 
 cdef _short_done(h, f, hold, bint write, uint64_t done, bint failed):
+    # a sync short-path request is over (failed: with an error the caller raises): uncount
+    # it on the handle and the file
     lock = h._lock
     lock.acquire()
     try:
@@ -2611,12 +2615,6 @@ cdef _short_done(h, f, hold, bint write, uint64_t done, bint failed):
         _f_pinned.registry.unhold(hold)
     if last:
         f._close_fd()
-
-
-def short_done(h, f, hold, bint write, uint64_t done, bint failed):
-    """A sync short-path request is over (``failed``: with an error the caller raises):
-    uncount it on the handle and the file."""
-    _short_done(h, f, hold, write, done, failed)
 
 
 def short_finish(h, ShortQueued sq, bint drain=False):

@@ -1,4 +1,5 @@
-"""Helpers more than one module needs, each kept once: tensor bytes, directory fsync, futures.
+"""Helpers more than one module needs, each kept once: tensor bytes, directory fsync, small
+files written atomically, futures.
 
 The alignment and depth constants live with the engine (``aioswap._aio.DEFAULT_ALIGNMENT``,
 ``aioswap._aio.MAX_DEPTH``). torch is imported only by :func:`flat_bytes`, when it is called.
@@ -10,7 +11,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["first_error", "flat_bytes", "fsync_dir", "round_up", "wait_all"]
+__all__ = ["first_error", "flat_bytes", "fsync_dir", "round_up", "wait_all", "write_atomic"]
 
 
 def round_up(n: int, align: int) -> int:
@@ -40,6 +41,31 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o600) -> None:
+    """Write ``data`` as file ``path`` atomically and durably: a uniquely named temporary
+    file beside it (permission bits ``mode``), fsynced, renamed over ``path``, and the
+    directory fsynced. A crash or an error leaves the old file (and no temporary)."""
+    path = os.fspath(path)
+    tmp = f"{path}.{os.getpid()}-{os.urandom(6).hex()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(os.path.dirname(path) or ".")
 
 
 def first_error(futures: Iterable[concurrent.futures.Future[Any]]) -> BaseException | None:

@@ -233,8 +233,7 @@ class _Queued:
         self.hold = hold
 
 
-# an asynchronous short-path request, and a sync one in a batch (see _aio.short)
-_Ticket = _aio.Ticket
+# a sync short-path request in a batch (see _aio.short)
 _ShortQueued = _aio.ShortQueued
 
 
@@ -452,7 +451,7 @@ class AioHandle:
         # of those that failed (until wait() raises or their future delivers the error);
         # no future is kept for a request that succeeded
         self._unwaited = 0
-        self._errors: list[_Outcome | _Ticket] = []
+        self._errors: list[_Outcome | _aio.Ticket] = []
         # submission numbers of unfinished async requests, oldest first (finished ones
         # are popped from the left lazily): wait() covers everything below a number
         self._seq = 0

@@ -35,7 +35,6 @@ file is renamed over ``filename`` (a crash never leaves a half-written checkpoin
 from __future__ import annotations
 
 import collections
-import contextlib
 import concurrent.futures
 import errno
 import json
@@ -59,7 +58,7 @@ from aioswap import pinned
 from aioswap._aio import DEFAULT_ALIGNMENT as _ALIGN
 from aioswap._files import AioFile
 from aioswap._units import shape_fits
-from aioswap._util import flat_bytes, fsync_dir, wait_all
+from aioswap._util import flat_bytes, fsync_dir, wait_all, write_atomic
 from aioswap.errors import AioswapError
 from aioswap.handle import AioHandle, shared_handle
 
@@ -844,20 +843,7 @@ def save_sharded(tensors: Mapping[str, torch.Tensor], directory: PathLike, *,
     index = os.path.join(directory, f"{prefix}.safetensors.index.json")
     doc = {"metadata": {"total_size": total},
            "weight_map": {k: names[i] for i, g in enumerate(groups) for k in g}}
-    tmp = f"{index}.{os.getpid()}-{secrets.token_hex(6)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, index)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(directory)
+    write_atomic(index, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode(), mode)
     return index
 
 

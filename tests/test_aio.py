@@ -1226,6 +1226,7 @@ def test_cached_hit_finds_the_handles_file_by_fd_and_path(tmp_path: Path) -> Non
         finally:
             os.close(fd)
         assert _aio.cached_hit(h, fd, False) is None            # closed now
-        for bad in (-1, 1 << 40, str(tmp_path), str(tmp_path / "missing"), "a\0b"):
+        for bad in (-1, 1 << 40, str(tmp_path), str(tmp_path / "missing"), "a\0b", 1.5, True,
+                    None):
             assert _aio.cached_hit(h, bad, False) is None
         assert f._users == users

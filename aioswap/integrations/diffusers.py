@@ -65,7 +65,7 @@ import torch
 from aioswap import pinned
 from aioswap._aio import DEFAULT_ALIGNMENT as _ALIGN
 from aioswap._checksum import algorithms, host_bytes, new_hasher
-from aioswap._util import first_error, round_up
+from aioswap._util import first_error, round_up, write_atomic
 from aioswap.errors import AioswapError, AioswapWarning
 from aioswap.handle import AioFile, IOFuture, shared_handle
 from aioswap.integrations.accelerate import OffloadFileError
@@ -198,13 +198,7 @@ def _check_manifest(gf: _GroupFile) -> None:
 def _write_manifest(gf: _GroupFile) -> None:
     manifest = {"format": _FORMAT, "group": gf.group_id, "algorithm": gf.algorithm,
                 "checksum": gf.checksum, "bytes": gf.ident[2] if gf.ident else None}
-    where = gf.path + _MANIFEST_SUFFIX
-    tmp = f"{where}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(manifest, fh, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, where)
+    write_atomic(gf.path + _MANIFEST_SUFFIX, json.dumps(manifest, sort_keys=True).encode())
 
 
 def _digest(gf: _GroupFile, chunks: Any) -> str:
