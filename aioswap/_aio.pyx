@@ -2247,6 +2247,214 @@ def _uring_faults_left():
     return (ur.uring_inject.cqe_eagain, ur.uring_inject.cqe_short)
 
 
+# ------------------------------------------------------------------------------- files
+from posix.unistd cimport close as c_close
+
+
+cdef extern from "<sys/stat.h>" nogil:
+    int c_stat "stat"(const char* path, struct_stat* buf)
+    bint S_ISREG(int mode)
+    bint S_ISBLK(int mode)
+
+cdef extern from "<sys/ioctl.h>" nogil:
+    int ioctl(int fd, unsigned long request, ...)
+
+cdef extern from "<linux/fs.h>" nogil:
+    unsigned long BLKGETSIZE64
+
+
+@cython.auto_pickle(False)
+cdef class AioFile:
+    """A file opened once for many requests (see :meth:`aioswap.AioHandle.open`).
+
+    ``pread``/``pwrite`` take the arguments of the handle's methods without ``file``.
+    ``close()`` is idempotent; the descriptor is closed once the requests in flight on it
+    are finished.
+
+    The file owns its state: whether it is closed and how many requests are in flight on it
+    are C fields, changed only while the GIL is held and without running Python code in
+    between, so every change is atomic with respect to other threads (no lock to share).
+
+    Attributes
+    ----------
+    name : str
+        The path (quoted) or ``"fd N"``, as error messages name it.
+    direct : bool
+        False when the file system refused ``O_DIRECT`` (buffered I/O then).
+    mem_align, off_align : int
+        ``O_DIRECT`` alignment of memory and of file offsets/lengths (``statx``).
+    readable, writable : bool
+        The access the file was opened with.
+    block_device : bool
+        A block device (its size is the device's, not ``st_size``).
+    key : tuple
+        ``(st_dev, st_ino)``: which file this is.
+    piece : int
+        The size of the pieces its requests are cut into (the handle's block size, rounded
+        to the alignment).
+    """
+    cdef public str name
+    cdef readonly bint direct, readable, writable, block_device
+    cdef readonly object key
+    cdef readonly uint64_t mem_align, off_align, piece
+    cdef readonly Py_ssize_t _users         # requests in flight (tests read it)
+    cdef object _handle, _inode, _device
+    cdef int _fd
+    cdef bint _owned, _closed
+    cdef object __weakref__
+
+    def __cinit__(self):
+        self._fd = -1
+        self._closed = True             # until __init__ has run: nothing to close
+
+    def __init__(self, handle, int fd, str name, *, bint direct, bint readable,
+                 bint writable, st, inode, bint owned=True):
+        self._handle = handle
+        self.name = name
+        self.direct = direct
+        self.readable = readable
+        self.writable = writable
+        self._inode = inode                     # what the process shares per inode
+        self.key = (st.st_dev, st.st_ino)
+        self.mem_align = inode.mem_align if direct else 1
+        self.off_align = inode.off_align if direct else 1
+        self.block_device = S_ISBLK(st.st_mode)
+        self._owned = owned
+        self._device = None
+        self.piece = handle._block(self) if handle is not None else 0
+        self._fd = fd
+        self._closed = False
+
+    # -- the handle's side ---------------------------------------------------------------
+    @property
+    def state(self):
+        """The engine's per-inode state (:class:`FileState`)."""
+        return self._inode.state
+
+    def size(self):
+        """The file's size now (``fstat``; block devices: the device size)."""
+        cdef uint64_t n = 0
+        if not self.block_device:
+            return fsize(self._fd)
+        if ioctl(self._fd, BLKGETSIZE64, &n) < 0:
+            raise OSError(errno, os.strerror(errno))
+        return n
+
+    def use(self):
+        """Count a request on the file; its fd."""
+        if self._closed:
+            raise ValueError(f"I/O on closed file {self.name}")
+        self._users += 1
+        return self._fd
+
+    cdef bint pin(self) noexcept:
+        # count a request on an open file (False: it is closed); the GIL makes it atomic
+        if self._closed:
+            return False
+        self._users += 1
+        return True
+
+    def unuse(self):
+        """A request counted by :meth:`use` is over."""
+        self.release()
+
+    cdef bint unpin(self) noexcept:
+        # uncount a request; True: it was the last one out of a closed file, and the caller
+        # closes the descriptor (_close_fd), when it holds no lock
+        self._users -= 1
+        return self._users == 0 and self._closed
+
+    cdef int release(self) except -1:
+        if self.unpin():
+            self._close_fd()
+        return 0
+
+    cdef int _close_fd(self) except -1:
+        cdef int fd = self._fd
+        dev = self._device
+        self._fd = -1
+        self._device = None
+        if dev is not None:
+            try:
+                dev.close()
+            except Exception:
+                _log.exception("aioswap: closing the device handle of %s failed", self.name)
+        if fd >= 0 and self._owned:
+            c_close(fd)
+        return 0
+
+    def device_handle(self, factory):
+        """The device transport's handle for this file (a cuFile registration): made by
+        ``factory(fd)`` on first use, kept while the file is open, closed with it."""
+        if self._closed or self._fd < 0:
+            raise ValueError(f"I/O on closed file {self.name}")
+        dev = self._device
+        if dev is None:
+            dev = factory(self._fd)
+            if self._device is None and not self._closed:
+                self._device = dev
+            elif self._device is not None:
+                dev.close()                     # another thread made one meanwhile
+                dev = self._device
+        return dev
+
+    # -- public --------------------------------------------------------------------------
+    def pread(self, buffer, offset=0, *, nbytes=None, async_op=False):
+        """Read into ``buffer`` at ``offset`` (see :meth:`aioswap.AioHandle.pread`)."""
+        if self._handle is None:
+            raise ValueError(f"{self.name} has no handle to run requests on")
+        return request(self._handle, False, buffer, self, offset, nbytes, async_op, False)
+
+    def pwrite(self, buffer, offset=0, *, nbytes=None, async_op=False, fsync=False):
+        """Write ``buffer`` at ``offset`` (see :meth:`aioswap.AioHandle.pwrite`)."""
+        if self._handle is None:
+            raise ValueError(f"{self.name} has no handle to run requests on")
+        return request(self._handle, True, buffer, self, offset, nbytes, async_op, fsync)
+
+    def fsync(self):
+        """Make the data and size written so far durable."""
+        os.fsync(self.fileno())
+
+    def fileno(self):
+        if self._closed or self._fd < 0:
+            raise ValueError(f"I/O on closed file {self.name}")
+        return self._fd
+
+    @property
+    def closed(self):
+        return self._closed
+
+    def close(self):
+        """Close the file; requests in flight on it finish first (then the fd is closed)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._users == 0:
+            self._close_fd()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if self._closed else ("direct" if self.direct else "buffered")
+        return f"<AioFile {self.name} {state}>"
+
+    def __dealloc__(self):
+        # nothing in flight can hold a file that is being freed (requests reference it)
+        if self._device is not None:
+            try:
+                self._device.close()
+            except BaseException:
+                pass
+            self._device = None
+        if self._fd >= 0 and self._owned:
+            c_close(self._fd)
+            self._fd = -1
+
+
 # ---------------------------------------------------------------------------- front door
 # The short path of :class:`aioswap.handle.AioHandle`: a plain contiguous CPU tensor, whole,
 # on a file the handle opened, in one lane's queue, sync, async or in a batch. Compiled here
@@ -2264,7 +2472,6 @@ cdef object _f_finished = None      # concurrent.futures' FINISHED
 cdef object _f_running = None       # and RUNNING
 cdef list _f_gen = None             # handle._fork_generation
 cdef set _f_types = None            # handle._short_types (filled once torch is in use)
-cdef object _f_file = None          # aioswap._files.AioFile
 cdef object _OFF_MAX = 1 << 62      # larger offsets take the general path (which checks them)
 _log = logging.getLogger("aioswap")
 
@@ -2272,7 +2479,7 @@ _log = logging.getLogger("aioswap")
 def front_setup(handle_module, pinned_module):
     """Called once by :mod:`aioswap.handle` at import: the names the front door uses."""
     global _f_slow, _f_handle, _f_pinned, _f_future, _f_cond_lock, _f_finished, _f_gen
-    global _f_types, _f_file, _f_running
+    global _f_types, _f_running
     _f_handle = handle_module
     _f_pinned = pinned_module
     _f_slow = handle_module._SLOW
@@ -2282,7 +2489,6 @@ def front_setup(handle_module, pinned_module):
     _f_running = handle_module._RUNNING
     _f_gen = handle_module._fork_generation
     _f_types = handle_module._short_types
-    _f_file = handle_module.AioFile
 
 
 def request(h, bint write, buffer, file, offset, nbytes, bint async_op, bint fsync):
@@ -2290,7 +2496,7 @@ def request(h, bint write, buffer, file, offset, nbytes, bint async_op, bint fsy
     else the handle's general path (``AioHandle._request``)."""
     if (nbytes is None and not fsync and type(buffer) in _f_types and type(offset) is int
             and offset >= 0):
-        if type(file) is _f_file:
+        if type(file) is AioFile:
             f = file
         else:
             # the handle's file in one C call; on a miss (its first use: an open follows)
@@ -2305,7 +2511,7 @@ def request(h, bint write, buffer, file, offset, nbytes, bint async_op, bint fsy
                 out = short(h, write, buffer, f, offset, 1 if async_op else 0, file)
             finally:
                 if f is not file:
-                    f.unuse()               # the request counted itself on the file
+                    (<AioFile>f).release()  # the request counted itself on the file
             if out is not _f_slow:
                 return out
     return h._request(write, buffer, file, offset, nbytes, async_op, fsync)
@@ -2374,11 +2580,6 @@ def count_outcome(st, bint write, uint64_t done, bint failed):
     _count_outcome(st, write, done, failed)
 
 
-cdef extern from "<sys/stat.h>" nogil:
-    int c_stat "stat"(const char* path, struct_stat* buf)
-    bint S_ISREG(int mode)
-    bint S_ISBLK(int mode)
-
 cdef extern from "<fcntl.h>":
     enum:
         O_ACCMODE
@@ -2426,9 +2627,9 @@ def cached_hit(h, file, bint write):
     try:
         files = h._files
         f = files.get(key)
-        if f is not None and not f._closed and (f.writable or not write):
+        if (f is not None and (f.writable or not write)
+                and (<AioFile>f).pin()):   # pinned: unpinned by the request's end
             files.move_to_end(key)
-            f._users += 1                   # pinned: unpinned by the request's end
             return f
     finally:
         lock.release()
@@ -2469,7 +2670,7 @@ def plan(f, uint64_t address, uint64_t n, int64_t offset, locked):
     return mode, edges, middle
 
 
-def short(h, bint write, t, f, offset, int how, arg, list sink=None):
+def short(h, bint write, t, AioFile f not None, offset, int how, arg, list sink=None):
     """The short path of one request (see ``AioHandle._short``): ``how`` 0 runs it and
     returns the bytes moved, 1 returns its future, 2 queues it and returns a
     :class:`ShortQueued`; ``SLOW`` for anything else."""
@@ -2486,7 +2687,7 @@ def short(h, bint write, t, f, offset, int how, arg, list sink=None):
     cdef struct_stat st
     if _f_layout is None:
         _f_layout = _f_handle._short_layout
-    if (type(offset) is not int or offset < 0 or offset > _OFF_MAX or f._lock is not h._lock
+    if (type(offset) is not int or offset < 0 or offset > _OFF_MAX or f._handle is not h
             or f._closed or h._generation != _f_gen[0] or not t.is_cpu
             or t.layout is not _f_layout or not t.is_contiguous() or t.is_conj()
             or t.is_neg()):
@@ -2497,7 +2698,7 @@ def short(h, bint write, t, f, offset, int how, arg, list sink=None):
     lanes = h._lanes
     nl = len(lanes)
     if nl > 1:
-        if n >= 2 * <uint64_t>f.piece:
+        if n >= 2 * f.piece:
             return _f_slow                  # cut across the lanes
         rr = (h._rr + 1) % nl               # a hint: races are fine
         h._rr = rr
@@ -2541,9 +2742,8 @@ def short(h, bint write, t, f, offset, int how, arg, list sink=None):
         lock = h._lock
         lock.acquire()
         try:
-            if not h._closed and not f._closed:
+            if not h._closed and f.pin():
                 h._active += 1
-                f._users += 1
                 counted = True
                 stats = h._stats
                 _count_paths(stats, mode, edges, middle)
@@ -2597,15 +2797,14 @@ def short(h, bint write, t, f, offset, int how, arg, list sink=None):
     return done
 
 
-cdef _short_done(h, f, hold, bint write, uint64_t done, bint failed):
+cdef _short_done(h, AioFile f, hold, bint write, uint64_t done, bint failed):
     # a sync short-path request is over (failed: with an error the caller raises): uncount
     # it on the handle and the file
     lock = h._lock
     lock.acquire()
     try:
         h._active -= 1
-        f._users -= 1
-        last = f._users == 0 and f._closed
+        last = f.unpin()
         _count_outcome(h._stats, write, done, failed)
         if h._closed and h._active == 0:
             h._idle.notify_all()
@@ -2624,7 +2823,7 @@ def short_finish(h, ShortQueued sq, bint drain=False):
     try:
         done = rq.drain() if drain else rq.wait()
     finally:
-        _short_done(h, sq.file, sq.hold, rq.r.opcode == abi.IOCB_CMD_PWRITE,
+        _short_done(h, <AioFile>sq.file, sq.hold, rq.r.opcode == abi.IOCB_CMD_PWRITE,
                     rq.r.done if rq.seen else 0, done < 0)
     return done
 
@@ -2698,6 +2897,7 @@ def complete(h, list items):
     handle's counters updated once per batch, under one hold of its lock)."""
     cdef Request rq
     cdef Ticket t
+    cdef AioFile f
     cdef Py_ssize_t n = len(items)
     cdef uint64_t rbytes = 0, wbytes = 0
     cdef Py_ssize_t nreads = 0, nwrites = 0, nfailed = 0
@@ -2711,10 +2911,8 @@ def complete(h, list items):
         for item in items:
             rq = <Request>item
             t = <Ticket>rq.token
-            f = t.file
-            users = f._users - 1
-            f._users = users
-            if users == 0 and f._closed:
+            f = <AioFile>t.file
+            if f.unpin():
                 closing.append(f)
             err = rq.error() if rq.r.err or rq.r.eof else None
             t.error = err
@@ -2757,8 +2955,8 @@ def complete(h, list items):
             _finish_future(t.fut, rq.r.done, t.error)
         except BaseException:               # a callback's error stays with it
             _log.exception("aioswap: completing a request failed")
-    for f in closing:
-        f._close_fd()
+    for item in closing:
+        (<AioFile>item)._close_fd()
 
 
 def deliver(list batch):

@@ -21,9 +21,7 @@ from typing import TYPE_CHECKING, Any, Union
 from aioswap import _aio
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
-
-    from aioswap.handle import AioHandle, IOFuture
+    from aioswap.handle import AioHandle
 
 __all__ = ["AioFile", "FileArg", "PathLike", "check_fd", "check_kind", "describe"]
 
@@ -101,128 +99,9 @@ def file_size(fd: int, st: os.stat_result | None = None) -> int:
     return st.st_size
 
 
-class AioFile:
-    """A file opened once for many requests (see :meth:`aioswap.AioHandle.open`).
-
-    ``pread``/``pwrite`` take the arguments of the handle's methods without ``file``.
-    ``close()`` is idempotent; the descriptor is closed once the requests in flight on it
-    are finished.
-
-    Attributes
-    ----------
-    name : str
-        The path (quoted) or ``"fd N"``, as error messages name it.
-    direct : bool
-        False when the file system refused ``O_DIRECT`` (buffered I/O then).
-    mem_align, off_align : int
-        ``O_DIRECT`` alignment of memory and of file offsets/lengths (``statx``).
-    """
-
-    def __init__(self, handle: AioHandle | None, fd: int, name: str, *, direct: bool,
-                 readable: bool, writable: bool, st: os.stat_result, owned: bool = True
-                 ) -> None:
-        self._handle = handle
-        self._fd = fd
-        self.name = name
-        self.direct = direct
-        self.readable = readable
-        self.writable = writable
-        self._inode = _inode(fd, st, direct)
-        self.key = (st.st_dev, st.st_ino)           # which file this is (a handle's cache)
-        self.mem_align = self._inode.mem_align if direct else 1
-        self.off_align = self._inode.off_align if direct else 1
-        self.block_device = stat.S_ISBLK(st.st_mode)
-        self._owned = owned
-        self._closed = False
-        self._users = 0
-        # the handle's lock: its short path counts a request on the handle and on the file
-        # under one lock (nothing holding it calls into a file)
-        self._lock = handle._lock if handle is not None else threading.Lock()
-        self.piece = handle._block(self) if handle is not None else 0   # piece size
-
-    # -- the handle's side ---------------------------------------------------------------
-    @property
-    def state(self) -> Any:
-        return self._inode.state
-
-    def size(self) -> int:
-        """The file's size now (``fstat``; block devices: the device size)."""
-        return file_size(self._fd) if self.block_device else _aio.fsize(self._fd)
-
-    def use(self) -> int:
-        """Count a request on the file; its fd."""
-        with self._lock:
-            if self._closed:
-                raise ValueError(f"I/O on closed file {self.name}")
-            self._users += 1
-            return self._fd
-
-    def unuse(self) -> None:
-        with self._lock:
-            self._users -= 1
-            last = self._users == 0 and self._closed
-        if last:
-            self._close_fd()
-
-    def _close_fd(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0 and self._owned:
-            os.close(fd)
-
-    # -- public --------------------------------------------------------------------------
-    def pread(self, buffer: Any, offset: int = 0, *, nbytes: int | None = None,
-              async_op: bool = False) -> int | IOFuture:
-        """Read into ``buffer`` at ``offset`` (see :meth:`aioswap.AioHandle.pread`)."""
-        assert self._handle is not None
-        return _aio.request(self._handle, False, buffer, self, offset, nbytes, async_op, False)
-
-    def pwrite(self, buffer: Any, offset: int = 0, *, nbytes: int | None = None,
-               async_op: bool = False, fsync: bool = False) -> int | IOFuture:
-        """Write ``buffer`` at ``offset`` (see :meth:`aioswap.AioHandle.pwrite`)."""
-        assert self._handle is not None
-        return _aio.request(self._handle, True, buffer, self, offset, nbytes, async_op, fsync)
-
-    def fsync(self) -> None:
-        """Make the data and size written so far durable."""
-        os.fsync(self.fileno())
-
-    def fileno(self) -> int:
-        if self._closed or self._fd < 0:
-            raise ValueError(f"I/O on closed file {self.name}")
-        return self._fd
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def close(self) -> None:
-        """Close the file; requests in flight on it finish first (then the fd is closed)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            last = self._users == 0
-        if last:
-            self._close_fd()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else ("direct" if self.direct else "buffered")
-        return f"<AioFile {self.name} {state}>"
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            self._closed = True
-            if getattr(self, "_users", 1) == 0:
-                try:
-                    self._close_fd()
-                except OSError:
-                    pass
+#: A file opened once for many requests (see :class:`aioswap._aio.AioFile`): its state (closed,
+#: requests in flight) is its own, in C.
+AioFile = _aio.AioFile
 
 
 def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
@@ -262,7 +141,7 @@ def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
         if refused and on_buffered is not None:
             on_buffered(name)
         return AioFile(handle, fd, name, direct=direct, readable=readable,
-                       writable=writable, st=st)
+                       writable=writable, st=st, inode=_inode(fd, st, direct))
     except BaseException:
         os.close(fd)
         raise
@@ -332,7 +211,7 @@ def open_fd(handle: AioHandle | None, fd: int, write: bool, *,
         except OSError:
             pass
         return AioFile(handle, own, name, direct=direct, readable=acc != os.O_WRONLY,
-                       writable=acc != os.O_RDONLY, st=st)
+                       writable=acc != os.O_RDONLY, st=st, inode=_inode(own, st, direct))
     except BaseException:
         os.close(own)
         raise

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from aioswap import _cufile, pinned
 from aioswap.errors import CuFileUnavailable
-from aioswap.handle import AioHandle, DeviceTransport
+from aioswap.handle import AioFile, AioHandle, DeviceTransport
 
 if TYPE_CHECKING:
     import torch
@@ -117,14 +117,16 @@ class GdsHandle(AioHandle):
 class _CuFileTransport(DeviceTransport):
     """CUDA memory through cuFile: registered ranges direct, others via cuFile's staging."""
 
-    def transfer(self, write: bool, address: int, nbytes: int, fd: int,
+    def transfer(self, write: bool, address: int, nbytes: int, file: AioFile,
                  offset: int) -> tuple[int, str]:
         # cuFile wants I/O inside a registered buffer issued against the buffer's base.
         rng = pinned.registry.find(address, nbytes, device=True)
         base, buf_off = (rng[0], address - rng[0]) if rng is not None else (address, 0)
-        with _cufile.CuFileHandle(fd, write=write) as cf:
-            if write:
-                done = cf.write(base, nbytes, offset, buf_off)
-            else:
-                done = cf.read(base, nbytes, offset, buf_off)
+        # the file's cuFile registration: made on its first device request, kept while the
+        # file is open, deregistered when it closes (not once per request)
+        cf = file.device_handle(_cufile.CuFileHandle)
+        if write:
+            done = cf.write(base, nbytes, offset, buf_off)
+        else:
+            done = cf.read(base, nbytes, offset, buf_off)
         return int(done), "direct" if rng is not None else "bounce"

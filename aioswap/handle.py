@@ -240,12 +240,14 @@ _ShortQueued = _aio.ShortQueued
 class DeviceTransport:
     """What moves contiguous device memory for a handle (the seam ``GdsHandle`` uses).
 
-    ``transfer(write, address, nbytes, fd, offset)`` moves ``nbytes`` between device memory
-    at ``address`` and ``fd`` at ``offset`` and returns ``(bytes moved, path)`` with path
-    ``"direct"`` or ``"bounce"`` (for :class:`HandleStats`); it raises on errors.
+    ``transfer(write, address, nbytes, file, offset)`` moves ``nbytes`` between device
+    memory at ``address`` and the :class:`AioFile` ``file`` (counted in use for the call) at
+    ``offset`` and returns ``(bytes moved, path)`` with path ``"direct"`` or ``"bounce"``
+    (for :class:`HandleStats`); it raises on errors. What a transport registers per file
+    (cuFile's file handle) lives with the file: :meth:`AioFile.device_handle`.
     """
 
-    def transfer(self, write: bool, address: int, nbytes: int, fd: int,
+    def transfer(self, write: bool, address: int, nbytes: int, file: AioFile,
                  offset: int) -> tuple[int, str]:
         raise NotImplementedError
 
@@ -1139,16 +1141,16 @@ class AioHandle:
         gone = set()
         for k in kept:
             try:
-                if os.fstat(k._fd).st_nlink == 0:
+                if os.fstat(k.fileno()).st_nlink == 0:
                     gone.add(k.key)
-            except OSError:
+            except (OSError, ValueError):       # ValueError: closed meanwhile
                 gone.add(k.key)
         evicted: list[AioFile] = []
         with self._lock:
             closed = self._closed
             if not closed:
                 won = files.get(f.key)
-                if (won is not None and not won._closed and won.key not in gone
+                if (won is not None and not won.closed and won.key not in gone
                         and (won.writable or not write)):
                     evicted.append(f)           # another thread opened it first: use that
                     f = won
@@ -1160,7 +1162,7 @@ class AioHandle:
                     files[f.key] = f
                     while len(files) > _MAX_FILES:
                         evicted.append(files.popitem(last=False)[1])
-                f._users += 1                   # pinned: unpinned by the request's end
+                f.use()                         # pinned: unpinned by the request's end
         for e in evicted:
             e.close()                           # after the requests in flight on it
         if closed:
@@ -1286,10 +1288,10 @@ class AioHandle:
             return self._staged(req)
         if mem.device == "cuda":
             if self._device_transport is not None:
-                fd = req.file.use()
+                req.file.use()
                 try:
                     done, path = self._device_transport.transfer(
-                        req.write, mem.address, n, fd, req.offset)
+                        req.write, mem.address, n, req.file, req.offset)
                 finally:
                     req.file.unuse()
                 self._count(**{f"{path}_bytes": done})

@@ -973,26 +973,27 @@ def test_buf_register_is_only_the_c_call(fake: Fake, tmp_path: Path) -> None:
     assert not hasattr(_cufile, "DeviceRangeRegistry")
 
 
-def test_gds_transport_uses_the_registry_device_index(fake: Fake, tmp_path: Path) -> None:
+def test_gds_transport_uses_the_registry_device_index(fake: Fake, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The one record of registered device ranges is aioswap.pinned's device index."""
     from aioswap.gds import _CuFileTransport
+    monkeypatch.setenv("AIOSWAP_BUFFERED", "1")     # the fake's pread takes any offset
     data = os.urandom(8192)
     path = _file(tmp_path / "f.bin", data)
     mem = np.zeros(16384, np.uint8)                 # the fake serves host memory
     base = mem.ctypes.data
     other = np.zeros(64, np.uint8)
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    with aioswap.AioHandle() as h, h.open(path, "r") as f:
         with pinned.register(base, 16384, device=True, owner=mem):
             assert pinned.registry.find(base + 1000, 4096, device=True) == (base, base + 16384)
             assert pinned.registry.find(base + 1000, 4096) is None      # not a host range
             _cufile.buf_register(base, 16384)
             try:
-                moved = _CuFileTransport().transfer(False, base + 1000, 4096, fd, 100)
+                moved = _CuFileTransport().transfer(False, base + 1000, 4096, f, 100)
                 assert moved == (4096, "direct")
                 assert fake["last_base"] == base and fake["last_buf_offset"] == 1000
                 assert mem[1000:5096].tobytes() == data[100:4196]
-                moved = _CuFileTransport().transfer(False, other.ctypes.data, 64, fd, 0)
+                moved = _CuFileTransport().transfer(False, other.ctypes.data, 64, f, 0)
                 assert moved == (64, "bounce")
                 assert fake["last_base"] == other.ctypes.data
                 assert fake["last_buf_offset"] == 0
@@ -1000,8 +1001,39 @@ def test_gds_transport_uses_the_registry_device_index(fake: Fake, tmp_path: Path
             finally:
                 _cufile.buf_deregister(base)
         assert pinned.registry.find(base, 1, device=True) is None
-    finally:
-        os.close(fd)
+    assert fake["handles_open"] == 0
+
+
+def test_gds_registration_lives_with_the_file(fake: Fake, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file is registered with cuFile on its first device request and deregistered when
+    it closes, not once per request; a file closed with requests in flight deregisters
+    after the last one."""
+    from aioswap.gds import _CuFileTransport
+    monkeypatch.setenv("AIOSWAP_BUFFERED", "1")     # the fake's pread takes any offset
+    data = os.urandom(8192)
+    path = _file(tmp_path / "f.bin", data)
+    out = np.zeros(4096, np.uint8)
+    tr = _CuFileTransport()
+    regs, deregs = fake["register_calls"], fake["deregister_calls"]
+    with aioswap.AioHandle() as h:
+        f = h.open(path, "r")
+        for off in (0, 512, 4096):
+            assert tr.transfer(False, out.ctypes.data, 4096, f, off) == (4096, "bounce")
+            assert out.tobytes() == data[off:off + 4096]
+        assert fake["register_calls"] == regs + 1 and fake["handles_open"] == 1
+        g = h.open(path, "r")                   # another file: its own registration
+        tr.transfer(False, out.ctypes.data, 64, g, 0)
+        g.close()
+        assert fake["deregister_calls"] == deregs + 1
+        f.use()                                 # a request in flight on f
+        f.close()
+        assert fake["handles_open"] == 1        # still registered under the request
+        with pytest.raises(ValueError, match="closed file"):
+            tr.transfer(False, out.ctypes.data, 64, f, 0)
+        f.unuse()
+        assert fake["deregister_calls"] == deregs + 2 and fake["handles_open"] == 0
+        assert fake["register_calls"] == regs + 2
 
 
 def test_buf_register_flags_and_errors(fake: Fake) -> None:

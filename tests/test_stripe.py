@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -163,15 +164,7 @@ def test_dynamic_units_follow_the_free_drive(tmp_path: Path) -> None:
             # the first part's drive finishes each unit 50 ms late (the parts, on one disk
             # here, are told they are separate drives: the file would rightly time them as
             # one, as parts on one device are)
-            f._peers = [[i] for i in range(len(parts))]
-            orig = f._files[0].pwrite
-
-            def late(view, off, async_op=False):         # type: ignore[no-untyped-def]
-                real = orig(view, off, async_op=True)
-                out = aioswap.IOFuture("write", "slow", len(view), off)
-                threading.Timer(0.05, lambda: out.set_result(real.result())).start()
-                return out
-            f._files[0].pwrite = late                    # type: ignore[method-assign]
+            _slow_drive(f, 0, 0.05)
             f.pwrite(data, 0)
             assert slow is f.handles[0]
         lay = read_layout(parts[0])
@@ -187,14 +180,25 @@ def _slow_drive(f: StripedFile, part: int, delay: float) -> None:
     """Part ``part``'s writes finish ``delay`` seconds late (a drive at a fraction of the
     speed of the others; the parts, on one disk in tests, are made separate drives)."""
     f._peers = [[i] for i in range(len(f.paths))]
-    orig = f._files[part].pwrite
+    f._files[part] = _Late(f._files[part], delay)        # type: ignore[assignment]
 
-    def late(view, off, async_op=False):                 # type: ignore[no-untyped-def]
-        real = orig(view, off, async_op=True)
+
+class _Late:
+    """An AioFile whose writes finish ``delay`` seconds late (everything else is the file's)."""
+
+    def __init__(self, file: aioswap.AioFile, delay: float) -> None:
+        self._file = file
+        self._delay = delay
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+    def pwrite(self, view: Any, off: int, async_op: bool = False) -> aioswap.IOFuture:
+        real = self._file.pwrite(view, off, async_op=True)
+        assert isinstance(real, aioswap.IOFuture)
         out = aioswap.IOFuture("write", "slow", len(view), off)
-        threading.Timer(delay, lambda: out.set_result(real.result())).start()
+        threading.Timer(self._delay, lambda: out.set_result(real.result())).start()
         return out
-    f._files[part].pwrite = late                         # type: ignore[method-assign]
 
 
 def test_parts_on_one_device_share_units_evenly(tmp_path: Path) -> None:
