@@ -974,7 +974,7 @@ def test_buf_register_is_only_the_c_call(fake: Fake, tmp_path: Path) -> None:
 
 
 def test_gds_transport_uses_the_registry_device_index(fake: Fake, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The one record of registered device ranges is aioswap.pinned's device index."""
     from aioswap.gds import _CuFileTransport
     monkeypatch.setenv("AIOSWAP_BUFFERED", "1")     # the fake's pread takes any offset
@@ -1005,7 +1005,7 @@ def test_gds_transport_uses_the_registry_device_index(fake: Fake, tmp_path: Path
 
 
 def test_gds_registration_lives_with_the_file(fake: Fake, tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A file is registered with cuFile on its first device request and deregistered when
     it closes, not once per request; a file closed with requests in flight deregisters
     after the last one."""
