@@ -258,3 +258,55 @@ def test_adopt_an_unnamed_file(tmp_path: Path) -> None:
             assert os.pread(plain, 12_345, 511) == data.numpy().tobytes()
         finally:
             os.close(plain)
+
+
+def test_a_file_counts_its_requests_across_threads(tmp_path: Path) -> None:
+    """An AioFile's state is its own: requests from 8 threads count themselves on it while
+    another thread closes it; no request starts on it once it is closed, and its descriptor
+    is closed exactly once, by whoever is last (the closer or the last request)."""
+    path = tmp_path / "f.bin"
+    data = os.urandom(1 << 16)
+    path.write_bytes(data)
+    for trial in range(20):
+        with aioswap.AioHandle() as h:
+            f = h.open(path, "r")
+            fd = f.fileno()
+            started = threading.Barrier(9)
+            seen: list[str] = []
+
+            def worker(k: int) -> None:
+                buf = aioswap.pinned.empty(4096, torch.uint8)
+                started.wait()
+                try:
+                    for i in range(200):
+                        try:
+                            f.use()
+                        except ValueError:
+                            seen.append("refused")      # closed: nothing started
+                            return
+                        try:     # the fd stays open while a request is counted on it
+                            off = (k * 200 + i) % 16 * 4096
+                            assert os.preadv(fd, [memoryview(buf.numpy())], off) == 4096
+                            assert bytes(buf.numpy()) == data[off:off + 4096]
+                        finally:
+                            f.unuse()
+                    seen.append("done")
+                except BaseException as exc:
+                    seen.append(repr(exc))
+
+            threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+            for t in threads:
+                t.start()
+            started.wait()
+            for _ in range(random.randrange(50)):
+                os.sched_yield()
+            f.close()
+            for t in threads:
+                t.join()
+            assert set(seen) <= {"done", "refused"}, (trial, seen)
+            assert len(seen) == 8
+            assert f.closed and f._users == 0
+            with pytest.raises(OSError):            # closed once the last one was out
+                os.fstat(fd)
+            with pytest.raises(ValueError, match="closed file"):
+                f.pread(torch.empty(16, dtype=torch.uint8), 0)
