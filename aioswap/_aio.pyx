@@ -2494,21 +2494,25 @@ def front_setup(handle_module, pinned_module):
 def request(h, bint write, buffer, file, offset, nbytes, bint async_op, bint fsync):
     """``AioHandle.pread``/``pwrite``: the short path where it applies (see :func:`short`),
     else the handle's general path (``AioHandle._request``)."""
+    cdef int64_t size = -1
     if (nbytes is None and not fsync and type(buffer) in _f_types and type(offset) is int
             and offset >= 0):
         if type(file) is AioFile:
             f = file
         else:
-            # the handle's file in one C call; on a miss (its first use: an open follows)
-            # _short_file asks once more, then opens it or refuses the argument
+            # the handle's file in one C call (its stat gives the size a read checks); on a
+            # miss (its first use: an open follows) _short_file asks once more, then opens
+            # it or refuses the argument
             f = None
             if not h._closed and h._generation == _f_gen[0]:
-                f = cached_hit(h, file, write)
+                f = _cached_hit(h, file, write, &size)
             if f is None:
                 f = h._short_file(file, write)
+                size = -1
         if f is not None:
             try:
-                out = short(h, write, buffer, f, offset, 1 if async_op else 0, file)
+                out = _short(h, write, buffer, <AioFile>f, offset, 1 if async_op else 0, file,
+                             None, size)
             finally:
                 if f is not file:
                     (<AioFile>f).release()  # the request counted itself on the file
@@ -2596,6 +2600,12 @@ def cached_hit(h, file, bint write):
     One ``stat`` (path) or ``fcntl(F_GETFL)`` + ``fstat`` (fd) says which file the argument
     is now (device, inode) and, for an fd, whether its access mode allows the request.
     """
+    cdef int64_t size
+    return _cached_hit(h, file, write, &size)
+
+
+cdef object _cached_hit(h, file, bint write, int64_t* size):
+    # cached_hit; *size: the file's size by that same stat (block devices: -1, unknown)
     cdef struct_stat st
     cdef int fl, fd
     if type(file) is int:
@@ -2630,6 +2640,7 @@ def cached_hit(h, file, bint write):
         if (f is not None and (f.writable or not write)
                 and (<AioFile>f).pin()):   # pinned: unpinned by the request's end
             files.move_to_end(key)
+            size[0] = -1 if S_ISBLK(st.st_mode) else st.st_size
             return f
     finally:
         lock.release()
@@ -2674,6 +2685,12 @@ def short(h, bint write, t, AioFile f not None, offset, int how, arg, list sink=
     """The short path of one request (see ``AioHandle._short``): ``how`` 0 runs it and
     returns the bytes moved, 1 returns its future, 2 queues it and returns a
     :class:`ShortQueued`; ``SLOW`` for anything else."""
+    return _short(h, write, t, f, offset, how, arg, sink, -1)
+
+
+cdef object _short(h, bint write, t, AioFile f, offset, int how, arg, list sink,
+                   int64_t known):
+    # short; known: the file's size by a stat of this request (cached_hit), else -1
     global _f_layout
     cdef int64_t off
     cdef uint64_t n, addr, align, edges, middle
@@ -2710,7 +2727,9 @@ def short(h, bint write, t, AioFile f not None, offset, int how, arg, list sink=
     if not write:
         # the size now, not a remembered one: an O_DIRECT read past the end of a file that
         # another process truncated would zero-fill the destination past the data
-        if f.block_device or fstat(fd, &st) < 0:
+        if known >= 0:
+            size = known                    # stat-ed by this request a moment ago
+        elif f.block_device or fstat(fd, &st) < 0:
             size = f.size()                 # (raises what fstat met)
         else:
             size = st.st_size
