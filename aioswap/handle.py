@@ -134,11 +134,31 @@ class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
     _wgen = -1
 
     def result(self, timeout: float | None = None) -> Any:
+        if self._state == _FINISHED:
+            # finished (its result set before its state, and never changed after): no
+            # Condition to make and hold, as Future.result would for every future of a burst
+            self._deliver()
+            if self._exception is not None:
+                raise self._exception
+            return self._result
         return self._hurried(super().result, timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        if self._state == _FINISHED:
+            self._deliver()
+            return self._exception
         exc: BaseException | None = self._hurried(super().exception, timeout)
         return exc
+
+    def done(self) -> bool:
+        # a state read (Future.done would make this future's Condition to read it)
+        return self._state == _FINISHED
+
+    def _deliver(self) -> None:
+        ledger = self._ledger
+        if ledger is not None:
+            self._ledger = None
+            ledger._delivered(self)
 
     def _hurried(self, get: Any, timeout: float | None) -> Any:
         if self._state == _RUNNING and self._generation != _fork_generation[0]:
@@ -154,10 +174,8 @@ class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
             finally:
                 hurry(-1)
         finally:
-            ledger = self._ledger
-            if ledger is not None and self._state == _FINISHED:
-                self._ledger = None
-                ledger._delivered(self)
+            if self._state == _FINISHED:
+                self._deliver()
 
     def _finish(self, result: int, error: BaseException | None) -> None:
         """Complete the future (the completion thread): set_result/set_exception, or just
