@@ -1246,9 +1246,9 @@ cdef void _k_forget(_Q* q) noexcept:
         ur.uring_forget(u)
 
 
-# Backends a queue can run on. "auto" is kernel AIO, else worker threads where io_setup is
-# refused (aio-max-nr exhausted, seccomp). io_uring only when asked for: a stream write-back
-# on it stalled once in about 14 rounds here (not understood yet), so it is not the default.
+# Backends a queue can run on. "auto" is io_uring, else kernel AIO where io_uring_setup is
+# refused (kernel.io_uring_disabled, a container's seccomp profile), else worker threads where
+# io_setup is refused too (aio-max-nr exhausted, seccomp).
 BACKENDS = ("auto", "io_uring", "aio", "threads")
 cdef int _THREADS_MAX = 16          # worker threads of one queue (at most its depth)
 
@@ -1727,8 +1727,8 @@ cdef class AioQueue:
     overlap_events : bool
         Sliding window (True) or submit a batch and reap it whole (False).
     backend : {"auto", "io_uring", "aio", "threads"}
-        "auto": kernel AIO, else worker threads (``why`` says why); a named backend that
-        the kernel refuses raises ``OSError``.
+        "auto": io_uring, else kernel AIO, else worker threads (``why`` says why); a named
+        backend that the kernel refuses raises ``OSError``.
 
     Notes
     -----
@@ -1783,14 +1783,17 @@ cdef class AioQueue:
         memset(q.slots, 0, nslots * sizeof(_Slot))
         ret = -1
         why = []
-        if backend == "io_uring":
+        if backend == "io_uring" or backend == "auto":
             with nogil:
                 ret = ur.uring_setup(&uring, depth, &flags)
                 e = errno
-            if ret < 0:
+            if ret < 0 and backend == "io_uring":
                 self._free_arrays()
                 _check(ret, e, f"io_uring_setup({depth})", None, _uring_hint(e, depth))
-            self.uring_flags = flags
+            if ret < 0:
+                why.append(f"io_uring_setup failed: {os.strerror(e)}{_uring_hint(e, depth)}")
+            else:
+                self.uring_flags = flags
         if ret < 0 and (backend == "auto" or backend == "aio"):
             with nogil:
                 ret = abi.syscall(abi.SYS_io_setup, <unsigned int>depth, &ctx)
@@ -1852,7 +1855,7 @@ cdef class AioQueue:
     @property
     def backend(self):
         """``"io_uring"``, ``"aio"`` (kernel AIO) or ``"threads"`` (positional I/O on worker
-        threads); ``why`` says why when "auto" did not get kernel AIO."""
+        threads); ``why`` says why when "auto" did not get io_uring."""
         if self.q.uring != NULL:
             return "io_uring"
         return "threads" if self.q.threads != NULL else "aio"

@@ -534,10 +534,10 @@ class AioHandle:
     def backend(self) -> str:
         """The kernel interface the lanes run on: ``"io_uring"``, ``"aio"`` or ``"threads"``.
 
-        ``backend="auto"`` (the default, or ``AIOSWAP_BACKEND``) is kernel AIO, else worker
-        threads doing ``pread``/``pwrite`` (``aio-max-nr`` exhausted, a seccomp profile);
-        :attr:`backend_reason` says why. io_uring runs when asked for
-        (``backend="io_uring"``).
+        ``backend="auto"`` (the default, or ``AIOSWAP_BACKEND``) is io_uring, else kernel
+        AIO (io_uring refused: ``kernel.io_uring_disabled``, a seccomp profile), else worker
+        threads doing ``pread``/``pwrite`` (``aio-max-nr`` exhausted too);
+        :attr:`backend_reason` says why.
         """
         return str(self._lanes[0].queue.backend)
 

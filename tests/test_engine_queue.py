@@ -646,8 +646,9 @@ def test_grid_against_os(tmp_path: Path, kind: str, write: bool) -> None:
 
 def test_auto_backend_falls_back_to_threads_when_io_setup_is_refused(
         tmp_path: Path, backend: str) -> None:
-    """With every AIO context of the system taken (fs.aio-max-nr), a handle still works,
-    quietly, on worker threads, byte-exact; a handle that insists on kernel AIO says why."""
+    """With io_uring refused and every AIO context of the system taken (fs.aio-max-nr), a
+    handle still works, quietly, on worker threads, byte-exact, and says why; a handle that
+    insists on kernel AIO says why it cannot have it."""
     if backend != "aio":
         pytest.skip("one run is enough")
     data = _rand(3 * 1024 * 1024 + 17, 77)
@@ -668,8 +669,10 @@ def test_auto_backend_falls_back_to_threads_when_io_setup_is_refused(
         except OSError as e:
             print("AIO REFUSED", "aio-max-nr" in str(e))
         os.environ.pop("AIOSWAP_BACKEND", None)
+        _aio._uring_inject(setup_errno=1)   # io_uring refused too (EPERM: a seccomp profile)
         with aioswap.AioHandle() as h:
-            print("BACKEND", h.backend, "aio-max-nr" in h.backend_reason)
+            print("BACKEND", h.backend, "aio-max-nr" in h.backend_reason,
+                  "io_uring_setup failed" in h.backend_reason)
             t = torch.empty({len(data)}, dtype=torch.uint8)
             assert h.pread(t, {str(p)!r}) == {len(data)}
             out = {str(tmp_path / 'o.bin')!r}
@@ -683,4 +686,4 @@ def test_auto_backend_falls_back_to_threads_when_io_setup_is_refused(
         print("OK")
     """)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "AIO REFUSED True" in r.stdout and "BACKEND threads True" in r.stdout
+    assert "AIO REFUSED True" in r.stdout and "BACKEND threads True True" in r.stdout

@@ -74,8 +74,8 @@ def _round_trip(h: aioswap.AioHandle, path: Path, data: bytes) -> None:
 
 
 @pytest.mark.parametrize("err", [errno.EPERM, errno.ENOSYS, errno.ENOMEM])
-def test_setup_refused_is_said_and_auto_is_unaffected(err: int, data_file: tuple[Path, bytes],
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_setup_refused_is_said_and_auto_falls_back(err: int, data_file: tuple[Path, bytes],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     path, data = data_file
     _aio._uring_inject(setup_errno=err)
     with pytest.raises(OSError) as info:            # asked for by name: no fallback
@@ -84,9 +84,15 @@ def test_setup_refused_is_said_and_auto_is_unaffected(err: int, data_file: tuple
     ok, why = _aio.aio_available("io_uring")
     assert not ok and "io_uring_setup" in why
     monkeypatch.delenv("AIOSWAP_BACKEND", raising=False)
-    with aioswap.AioHandle(queue_depth=8) as h:     # "auto" is kernel AIO
-        assert h.backend == "aio" and h.backend_reason == ""
+    with aioswap.AioHandle(queue_depth=8) as h:     # "auto": kernel AIO then, and why
+        assert h.backend == "aio"
+        assert h.backend_reason.startswith("io_uring_setup failed: ")
+        assert h.backend_reason.endswith("; using kernel AIO")
+        assert os.strerror(err) in h.backend_reason
         _round_trip(h, path, data)
+    _aio._uring_inject()
+    with aioswap.AioHandle(queue_depth=8) as h:     # and io_uring where it works
+        assert h.backend == "io_uring" and h.backend_reason == ""
 
 
 def test_flags_refused_step_down(data_file: tuple[Path, bytes]) -> None:
@@ -217,11 +223,14 @@ def test_registration_refused_without_ipc_lock_under_memlock(
     assert "Cannot allocate memory" in note, note
 
 
-def test_io_uring_when_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_io_uring_by_default_and_when_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIOSWAP_BACKEND", "io_uring")
     with aioswap.AioHandle(queue_depth=4) as h:
         assert h.backend == "io_uring" and h.backend_reason == "asked for"
-    monkeypatch.delenv("AIOSWAP_BACKEND")
+    monkeypatch.setenv("AIOSWAP_BACKEND", "aio")
     with aioswap.AioHandle(queue_depth=4) as h:
-        assert h.backend == "aio"
+        assert h.backend == "aio" and h.backend_reason == "asked for"
+    monkeypatch.delenv("AIOSWAP_BACKEND")
+    with aioswap.AioHandle(queue_depth=4) as h:     # "auto", where io_uring works
+        assert h.backend == "io_uring" and h.backend_reason == ""
     assert _aio.backends_available()["io_uring"] == (True, "")
