@@ -2744,7 +2744,7 @@ cdef object _short(h, bint write, t, AioFile f, offset, int how, arg, list sink,
     try:
         align = f.off_align
         mode = _plan(f.direct, align, f.mem_align, addr, n, off, locked, &edges, &middle)
-        if mode != M_PLAIN:
+        if mode == M_BOUNCE or edges:       # direct and aligned: no ring to lock for it
             ring = lane.ring
             if not ring.attached:
                 ring.ensure()

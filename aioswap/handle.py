@@ -1263,7 +1263,7 @@ class AioHandle:
         fd = f.use()
         try:
             for lane, (start, nbytes) in zip(lanes, slices):
-                if mode != _aio.MODE_PLAIN:
+                if mode == _aio.MODE_BOUNCE or edges:     # direct and aligned: no ring
                     lane.ring.ensure()
                 if not sync:
                     lane.start()
@@ -1372,7 +1372,7 @@ class AioHandle:
             mode, edges, middle = self._mode(req, hold is not None)
             self._rr = rr = (self._rr + 1) % len(self._lanes)     # a hint: races are fine
             lane = self._lanes[rr]
-            if mode != _aio.MODE_PLAIN and not lane.ring.attached:
+            if (mode == _aio.MODE_BOUNCE or edges) and not lane.ring.attached:
                 lane.ring.ensure()
             if not sync and lane.thread is None:
                 lane.start()

@@ -393,3 +393,27 @@ def test_futures_used_before_and_after_they_finish(tmp_dir, no_general):
             assert "finished" in repr(fut)
     for i, b in enumerate(bufs):
         assert b.numpy().tobytes() == data[i * MiB:(i + 1) * MiB]
+
+
+def test_direct_aligned_requests_lock_no_bounce_ring(tmp_dir):
+    """Requests that go direct and aligned (page-locked memory, whole blocks) never need the
+    bounce ring, so a handle that only makes such requests locks none; the first request
+    with an unaligned edge or unlocked memory attaches it, on the short and general paths."""
+    data = _rand(4 * MiB, 31)
+    path = _file(tmp_dir / "f.bin", data)
+    with AioHandle(intra_op_parallelism=2) as h:
+        f = h.open(path, "r")
+        if not f.direct:
+            pytest.skip("the file system refuses O_DIRECT")
+        buf = pinned.empty(4 * MiB, torch.uint8)
+        assert h.pread(buf[:64 * KiB], f, 4096) == 64 * KiB             # short path
+        assert h.pread(buf, path) == 4 * MiB                            # general: 2 lanes
+        futs = [f.pread(buf[i:i + MiB], i, async_op=True) for i in range(0, 4 * MiB, MiB)]
+        assert sum(x.result() for x in futs) == 4 * MiB
+        assert buf.numpy().tobytes() == data
+        assert not any(lane.ring.attached for lane in h._lanes)
+        assert h.stats.bounce_bytes == 0 and h.stats.head_tail_bytes == 0
+        out = torch.empty(5000, dtype=torch.uint8)                      # unlocked memory
+        assert h.pread(out, f, 100) == 5000
+        assert out.numpy().tobytes() == data[100:5100]
+        assert any(lane.ring.attached for lane in h._lanes)
