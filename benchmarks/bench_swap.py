@@ -20,18 +20,24 @@ Methods, in one run, alternating (the starting method rotates each round):
   (a reference: one transfer of the same bytes, which a packed swap can beat).
 
 Warm rounds run each method in this process, on memory the process already used (freed
-locked memory is kept for reuse). Then come ``--cold`` rounds (default: ``--repeat``): each
-load in a fresh process (``benchmarks/_cold.py``), the clock covering the loader, allocating
-fresh memory, reading, touching and freeing, which is what a user who loads a state dict once
-pays. ``direct``'s warm load reads into a buffer allocated up front (no allocation, no free);
-its cold load allocates one locked buffer of the whole size.
+locked memory is kept for reuse); the first ``--warmup`` round(s) (default 1) of every method
+run but are not counted, since a method's first load in the process is the one that has
+not used its memory yet (that load is what the cold rounds measure). Then come ``--cold``
+rounds (default: ``--repeat``): each load in a fresh process (``benchmarks/_cold.py``), the
+clock covering the loader, allocating fresh memory, reading, touching and freeing, which is
+what a user who loads a state dict once pays. ``direct``'s warm load reads into a buffer
+allocated up front (no allocation, no free); its cold load allocates one locked buffer of the
+whole size.
 
 Before every load, the files are fsynced and dropped from the page cache
 (``posix_fadvise(DONTNEED)``; ``--drop-caches sysctl`` also writes ``/proc/sys/vm/drop_caches``,
 as root). After every load, one byte of every page of every tensor is read (inside the
 timing), so lazily mapped loads pay for their reads; then the bytes are compared (outside it).
-Figures: median over ``--repeat`` rounds, GB/s = 10^9 bytes/s, ratios aioswap/other (bigger is
-better: above 1, aioswap is faster).
+Figures: median over ``--repeat`` rounds, GB/s = 10^9 bytes/s. Ratios aioswap/other (bigger is
+better: above 1, aioswap is faster) are the median of the ratios within each round (the two
+methods ran back to back there), so a drive whose speed drifts between rounds (this VM's
+moves by ±30%) does not decide them; the ratio of the two medians is in the JSON too
+(``ratios_of_medians``).
 
     python benchmarks/bench_swap.py --dir /nvme --layers 12 --hidden 1024 --repeat 3
 """
@@ -277,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--states", type=int, default=3,
                    help="copies of every tensor: param, adam m, adam v (default 3)")
     p.add_argument("--repeat", type=int, default=1, help="rounds; the median is reported")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="warm rounds run first and not counted (default 1)")
     p.add_argument("--block-size", type=int, default=1 << 20)
     p.add_argument("--queue-depth", type=int, default=32)
     p.add_argument("--methods", default="aioswap,aioswap_noverify,safetensors,torch,direct",
@@ -296,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         a.cold = a.repeat
     if a.cold < 0:
         p.error("--cold must be >= 0")
+    if a.warmup < 0:
+        p.error("--warmup must be >= 0")
     names = [m.strip() for m in a.methods.split(",") if m.strip()]
     unknown = [m for m in names if m not in LABELS]
     if unknown:
@@ -320,12 +330,15 @@ def main(argv: list[str] | None = None) -> int:
         with aioswap.AioHandle(block_size=a.block_size, queue_depth=a.queue_depth) as h:
             ms = Methods(h, sd, work, a.drop_caches)
             try:
-                for rnd, order in enumerate(orders(names, a.repeat)):
+                for rnd, order in enumerate(orders(names, a.warmup + a.repeat)):
                     for name in order:
                         w, r = getattr(ms, name)()
-                        times[name].append((w, r))
-                        log(f"round {rnd + 1}/{a.repeat}: {name}: save {total / w / GB:.2f} "
-                            f"GB/s, warm load {total / r / GB:.2f} GB/s")
+                        what = (f"warm-up {rnd + 1}/{a.warmup} (not counted)" if rnd < a.warmup
+                                else f"round {rnd + 1 - a.warmup}/{a.repeat}")
+                        if rnd >= a.warmup:
+                            times[name].append((w, r))
+                        log(f"{what}: {name}: save {total / w / GB:.2f} GB/s, warm load "
+                            f"{total / r / GB:.2f} GB/s")
                 cold_names = [n for n in names if n in COLD] if a.cold else []
                 files = {n: ms.cold_files(n) for n in cold_names}
                 for rnd, order in enumerate(orders(cold_names, a.cold)):
@@ -347,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"bytes": total, "tensors": len(sd), "min_tensor": min(sizes),
                            "max_tensor": max(sizes), "layers": a.layers, "hidden": a.hidden,
                            "ffn": ffn, "states": a.states, "repeat": a.repeat,
+                           "warmup": a.warmup,
                            "block_size": a.block_size, "queue_depth": a.queue_depth,
                            "page_cache": a.drop_caches, "cold_rounds": a.cold, "methods": {}}
     for name in names:
@@ -360,23 +374,35 @@ def main(argv: list[str] | None = None) -> int:
                      cold_load_gbps_all=[total / x["total_s"] / GB for x in colds[name]],
                      cold_maxrss_kib=max(x["maxrss_kib"] for x in colds[name]))
     ratios: dict[str, float] = {}
+    of_medians: dict[str, float] = {}
     if "aioswap" in names:
         me = res["methods"]["aioswap"]
         for other in names:
             if other != "aioswap":
                 o = res["methods"][other]
-                ratios[f"save vs {other}"] = me["save_gbps"] / o["save_gbps"]
-                ratios[f"warm load vs {other}"] = me["load_gbps"] / o["load_gbps"]
+                # paired: other's time / aioswap's time within each round, then the median
+                ratios[f"save vs {other}"] = statistics.median(
+                    b[0] / m[0] for m, b in zip(times["aioswap"], times[other]))
+                ratios[f"warm load vs {other}"] = statistics.median(
+                    b[1] / m[1] for m, b in zip(times["aioswap"], times[other]))
+                of_medians[f"save vs {other}"] = me["save_gbps"] / o["save_gbps"]
+                of_medians[f"warm load vs {other}"] = me["load_gbps"] / o["load_gbps"]
                 if "cold_load_gbps" in me and "cold_load_gbps" in o:
-                    ratios[f"cold load vs {other}"] = me["cold_load_gbps"] / o["cold_load_gbps"]
+                    ratios[f"cold load vs {other}"] = statistics.median(
+                        b["total_s"] / m["total_s"]
+                        for m, b in zip(colds["aioswap"], colds[other]))
+                    of_medians[f"cold load vs {other}"] = (me["cold_load_gbps"]
+                                                           / o["cold_load_gbps"])
     res["ratios"] = ratios
+    res["ratios_of_medians"] = of_medians
     if a.json:
         print(json.dumps(res, indent=2))
         return 0
     title = (f"{len(sd)} tensors ({format_size(min(sizes))} .. {format_size(max(sizes))}), "
              f"{format_size(total)} ({total / GB:.2f} GB) in all; {a.layers} layers, hidden "
-             f"{a.hidden}, ffn {ffn}, {a.states} states; median of {a.repeat} warm and "
-             f"{a.cold} cold round(s), methods alternating; page cache dropped before loads "
+             f"{a.hidden}, ffn {ffn}, {a.states} states; median of {a.repeat} warm (after "
+             f"{a.warmup} warm-up) and {a.cold} cold round(s), methods alternating, ratios "
+             f"the median of each round's; page cache dropped before loads "
              f"({a.drop_caches}); every page touched after loading, freeing included; warm: "
              f"in this process (memory it already used); cold: a fresh process per load, "
              f"allocation included; {UNITS_NOTE}")
