@@ -13,7 +13,6 @@ import errno
 import fcntl
 import os
 import stat
-import struct
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Union
@@ -30,8 +29,6 @@ FileArg = Union[PathLike, int, "AioFile"]
 
 #: Mode bits of files aioswap creates: user data is private unless asked otherwise.
 DEFAULT_FILE_MODE = 0o600
-
-_BLKGETSIZE64 = 0x80081272          # <linux/fs.h>: _IOR(0x12, 114, size_t)
 
 _MODES = {
     "r": (os.O_RDONLY, True, False),
@@ -87,16 +84,6 @@ def check_kind(st: os.stat_result, name: str) -> None:
     if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
         raise OSError(errno.EINVAL, "not a regular file or block device (FIFOs, sockets and "
                                     "character devices cannot do positional I/O)", name)
-
-
-def file_size(fd: int, st: os.stat_result | None = None) -> int:
-    """Bytes in the file behind ``fd`` (block devices: their size, not ``st_size`` = 0)."""
-    if st is None:
-        st = os.fstat(fd)
-    if stat.S_ISBLK(st.st_mode):
-        out = fcntl.ioctl(fd, _BLKGETSIZE64, b"\0" * 8)
-        return int(struct.unpack("Q", out)[0])
-    return st.st_size
 
 
 #: A file opened once for many requests (see :class:`aioswap._aio.AioFile`): its state (closed,
