@@ -2465,6 +2465,73 @@ cdef class AioFile:
 # every error) takes handle.py's general path, which this returns ``SLOW`` for. The handle
 # module hands its names over once (front_setup).
 
+@cython.auto_pickle(False)
+cdef class HandleCore:
+    """What every request of one :class:`~aioswap.AioHandle` counts: whether it is closed,
+    how many requests are active, and its statistics.
+
+    C fields, changed only while the GIL is held and with no Python code run in between, so
+    every change is atomic with respect to other threads: a synchronous request counts
+    itself in and out without taking the handle's lock. ``close()`` sets ``closed`` under
+    the lock and then waits on ``idle`` until ``active`` is 0; the request that brings it
+    to 0 on a closed handle notifies ``idle`` (taking the lock for that alone).
+    """
+    cdef public bint closed
+    cdef readonly Py_ssize_t active
+    cdef public uint64_t direct_bytes, bounce_bytes, head_tail_bytes, buffered_bytes
+    cdef public uint64_t read_bytes, write_bytes, reads, writes, async_ops, failed
+    cdef object _lock, _idle
+
+    def __init__(self, lock, idle):
+        self._lock = lock                   # the handle's lock, and its condition
+        self._idle = idle
+
+    cdef inline bint enter_(self) noexcept:
+        if self.closed:
+            return False
+        self.active += 1
+        return True
+
+    cdef int leave_(self, bint locked) except -1:
+        self.active -= 1
+        if self.active == 0 and self.closed:
+            if locked:
+                self._idle.notify_all()
+            else:
+                self._lock.acquire()
+                try:
+                    self._idle.notify_all()
+                finally:
+                    self._lock.release()
+        return 0
+
+    def enter(self):
+        """Count a request in; False (nothing counted) when the handle is closed."""
+        return self.enter_()
+
+    def leave(self, bint locked=False):
+        """Count a request out (``locked``: the caller holds the handle's lock)."""
+        self.leave_(locked)
+
+    def count_paths(self, int mode, uint64_t edges, uint64_t middle):
+        """Bytes per path of one request."""
+        _count_paths(self, mode, edges, middle)
+
+    def count_outcome(self, bint write, uint64_t done, bint failed):
+        """One finished request."""
+        _count_outcome(self, write, done, failed)
+
+    def count_path(self, str path, uint64_t n):
+        """``n`` bytes moved by a device path (``"direct"``, ``"bounce"``, ...)."""
+        setattr(self, path + "_bytes", getattr(self, path + "_bytes") + n)
+
+    def counters(self):
+        """The statistics, in :class:`~aioswap.handle.HandleStats` field order."""
+        return (self.direct_bytes, self.bounce_bytes, self.head_tail_bytes,
+                self.buffered_bytes, self.read_bytes, self.write_bytes, self.reads,
+                self.writes, self.async_ops, self.failed)
+
+
 cdef object _f_slow = None          # handle._SLOW: take the general path
 cdef object _f_handle = None        # aioswap.handle
 cdef object _f_pinned = None        # aioswap.pinned
@@ -2473,6 +2540,7 @@ cdef object _f_layout = None        # torch.strided, once a tensor request was s
 cdef object _f_cond_lock = None     # handle._cond_lock
 cdef object _f_finished = None      # concurrent.futures' FINISHED
 cdef object _f_running = None       # and RUNNING
+cdef object _f_allocated = None     # pinned._ALLOCATED: a record whose memory a request holds
 cdef list _f_gen = None             # handle._fork_generation
 cdef set _f_types = None            # handle._short_types (filled once torch is in use)
 cdef object _OFF_MAX = 1 << 62      # larger offsets take the general path (which checks them)
@@ -2482,9 +2550,10 @@ _log = logging.getLogger("aioswap")
 def front_setup(handle_module, pinned_module):
     """Called once by :mod:`aioswap.handle` at import: the names the front door uses."""
     global _f_slow, _f_handle, _f_pinned, _f_future, _f_cond_lock, _f_finished, _f_gen
-    global _f_types, _f_running
+    global _f_types, _f_running, _f_allocated
     _f_handle = handle_module
     _f_pinned = pinned_module
+    _f_allocated = pinned_module._ALLOCATED
     _f_slow = handle_module._SLOW
     _f_future = handle_module.IOFuture
     _f_cond_lock = handle_module._cond_lock
@@ -2492,6 +2561,71 @@ def front_setup(handle_module, pinned_module):
     _f_running = handle_module._RUNNING
     _f_gen = handle_module._fork_generation
     _f_types = handle_module._short_types
+
+
+cdef object _io_hold(object registry, uint64_t addr, uint64_t n, bint* locked):
+    """``registry.io_hold(addr, n)`` without running Python: the same answer, by bisecting
+    the registry's immutable snapshot of locked host ranges (its RangeIndex's ``_snap``)
+    here. The snapshot is rebuilt by Python on the first look-up after a change (then this
+    asks ``io_hold`` itself). Returns the hold token or None; ``locked[0]``: whether all of
+    ``[addr, addr + n)`` is page-locked."""
+    cdef Py_ssize_t lo = 0, hi, mid
+    cdef tuple starts, ends
+    locked[0] = False
+    if n == 0:
+        return None
+    snap = registry._host._snap
+    if type(snap) is not tuple:
+        hold, lk = registry.io_hold(addr, n)
+        locked[0] = bool(lk)
+        return hold
+    starts = <tuple>(<tuple>snap)[0]
+    hi = len(starts)
+    while lo < hi:                          # bisect_right(starts, addr)
+        mid = (lo + hi) >> 1
+        if addr < <uint64_t>starts[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo == 0:
+        return None
+    ends = <tuple>(<tuple>snap)[1]
+    if addr + n > <uint64_t>ends[lo - 1]:
+        return None
+    rec = (<tuple>(<tuple>snap)[2])[lo - 1]
+    kind = rec.kind
+    if kind is not _f_allocated and kind != _f_allocated:
+        locked[0] = True                    # registered elsewhere: nothing to hold
+        return None
+    lock = registry._io_lock
+    lock.acquire()
+    try:
+        if not rec.live:                    # being freed: not locked memory any more
+            return None
+        rec.io += 1
+    finally:
+        lock.release()
+    locked[0] = True
+    return rec
+
+
+def io_hold(registry, uint64_t address, uint64_t nbytes):
+    """The front door's ``registry.io_hold(address, nbytes)``: ``(token or None, locked)``,
+    found without running Python (tests compare the two)."""
+    cdef bint locked
+    hold = _io_hold(registry, address, nbytes, &locked)
+    return hold, locked
+
+
+cdef int _unhold(object registry, object hold) except -1:
+    """``registry.unhold(hold)`` without running Python."""
+    lock = registry._io_lock
+    lock.acquire()
+    try:
+        hold.io -= 1
+    finally:
+        lock.release()
+    return 0
 
 
 def request(h, bint write, buffer, file, offset, nbytes, bint async_op, bint fsync):
@@ -2507,7 +2641,7 @@ def request(h, bint write, buffer, file, offset, nbytes, bint async_op, bint fsy
             # miss (its first use: an open follows) _short_file asks once more, then opens
             # it or refuses the argument
             f = None
-            if not h._closed and h._generation == _f_gen[0]:
+            if not (<HandleCore>h._core).closed and h._generation == _f_gen[0]:
                 f = _cached_hit(h, file, write, &size)
             if f is None:
                 f = h._short_file(file, write)
@@ -2556,7 +2690,7 @@ cdef class ShortQueued:
     cdef public object file, hold
 
 
-cdef inline void _count_paths(object st, int mode, uint64_t edges, uint64_t middle):
+cdef inline void _count_paths(HandleCore st, int mode, uint64_t edges, uint64_t middle):
     if mode == M_DIRECT:
         st.direct_bytes += middle
     elif mode == M_BOUNCE:
@@ -2566,7 +2700,7 @@ cdef inline void _count_paths(object st, int mode, uint64_t edges, uint64_t midd
     st.head_tail_bytes += edges
 
 
-cdef inline void _count_outcome(object st, bint write, uint64_t done, bint failed):
+cdef inline void _count_outcome(HandleCore st, bint write, uint64_t done, bint failed):
     if failed:
         st.failed += 1
     elif write:
@@ -2575,16 +2709,6 @@ cdef inline void _count_outcome(object st, bint write, uint64_t done, bint faile
     else:
         st.read_bytes += done
         st.reads += 1
-
-
-def count_paths(st, int mode, uint64_t edges, uint64_t middle):
-    """Bytes per path into a handle's stats (its lock held)."""
-    _count_paths(st, mode, edges, middle)
-
-
-def count_outcome(st, bint write, uint64_t done, bint failed):
-    """A finished request into a handle's stats (its lock held)."""
-    _count_outcome(st, write, done, failed)
 
 
 cdef extern from "<fcntl.h>":
@@ -2740,7 +2864,7 @@ cdef object _short(h, bint write, t, AioFile f, offset, int how, arg, list sink,
             return _f_slow                  # raises ShortReadError before any I/O
     addr = t.data_ptr()
     registry = _f_pinned.registry
-    hold, locked = registry.io_hold(addr, n)
+    hold = _io_hold(registry, addr, n, &locked)
     try:
         align = f.off_align
         mode = _plan(f.direct, align, f.mem_align, addr, n, off, locked, &edges, &middle)
@@ -2761,29 +2885,36 @@ cdef object _short(h, bint write, t, AioFile f, offset, int how, arg, list sink,
             ticket.hold = hold
             if lane.thread is None:
                 lane.start()
-        lock = h._lock
-        lock.acquire()
-        try:
-            if not h._closed and f.pin():
-                h._active += 1
+        core = <HandleCore>h._core
+        if ticket is None:
+            # counted in without the handle's lock: no Python code runs between the checks
+            # and the counts (see HandleCore)
+            if not core.closed and f.pin():
+                core.active += 1
                 counted = True
-                stats = h._stats
-                _count_paths(stats, mode, edges, middle)
-                if ticket is not None:
+        else:
+            lock = h._lock
+            lock.acquire()
+            try:
+                if not core.closed and f.pin():
+                    core.active += 1
+                    counted = True
                     seq = h._seq
                     ticket.seq = seq
                     h._seq = seq + 1
                     h._open.append(seq)
-                    stats.async_ops += 1
-        finally:
-            lock.release()
+                    core.async_ops += 1
+            finally:
+                lock.release()
+        if counted:
+            _count_paths(core, mode, edges, middle)
     except BaseException:
         if hold is not None:
-            registry.unhold(hold)
+            _unhold(registry, hold)
         raise
     if not counted:
         if hold is not None:
-            registry.unhold(hold)
+            _unhold(registry, hold)
         return _f_slow                      # raises the closed error
     if ticket is not None:
         try:
@@ -2822,18 +2953,12 @@ cdef object _short(h, bint write, t, AioFile f, offset, int how, arg, list sink,
 cdef _short_done(h, AioFile f, hold, bint write, uint64_t done, bint failed):
     # a sync short-path request is over (failed: with an error the caller raises): uncount
     # it on the handle and the file
-    lock = h._lock
-    lock.acquire()
-    try:
-        h._active -= 1
-        last = f.unpin()
-        _count_outcome(h._stats, write, done, failed)
-        if h._closed and h._active == 0:
-            h._idle.notify_all()
-    finally:
-        lock.release()
+    core = <HandleCore>h._core
+    last = f.unpin()
+    _count_outcome(core, write, done, failed)
+    core.leave_(False)
     if hold is not None:
-        _f_pinned.registry.unhold(hold)
+        _unhold(_f_pinned.registry, hold)
     if last:
         f._close_fd()
 
@@ -2952,8 +3077,8 @@ def complete(h, list items):
                 rbytes += rq.r.done
             _close_seq(opened, closed, t.seq)
         h._unwaited += n
-        h._active -= n
-        stats = h._stats
+        stats = <HandleCore>h._core
+        stats.active -= n
         if nreads:
             stats.reads += nreads
             stats.read_bytes += rbytes
@@ -2963,16 +3088,16 @@ def complete(h, list items):
         if nfailed:
             stats.failed += nfailed
         _wake_waiters(h, opened)
-        if h._closed and h._active == 0:
+        if stats.closed and stats.active == 0:
             h._idle.notify_all()
     finally:
         lock.release()
-    unhold = _f_pinned.registry.unhold
+    registry = _f_pinned.registry
     for item in items:
         rq = <Request>item
         t = <Ticket>rq.token
         if t.hold is not None:
-            unhold(t.hold)
+            _unhold(registry, t.hold)
         try:
             _finish_future(t.fut, rq.r.done, t.error)
         except BaseException:               # a callback's error stays with it

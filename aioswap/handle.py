@@ -442,7 +442,11 @@ class AioHandle:
                  *, bounce_bytes: int | None = None,
                  device_transport: DeviceTransport | None = None,
                  backend: str | None = None) -> None:
-        self._closed = True
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        # closed, requests active, statistics: C fields (see _aio.HandleCore)
+        self._core = _aio.HandleCore(self._lock, self._idle)
+        self._core.closed = True
         self._device_transport = device_transport
         env = runtime_settings()        # AIOSWAP_* variables for what is not given
         d = env.aio
@@ -464,9 +468,6 @@ class AioHandle:
         self._cfg = cfg
         self._pid = os.getpid()
         self._generation = _fork_generation[0]
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._stats = HandleStats()
         # async requests finished and not yet counted by wait(): how many, and the outcomes
         # of those that failed (until wait() raises or their future delivers the error);
         # no future is kept for a request that succeeded
@@ -480,7 +481,6 @@ class AioHandle:
         self._closed_seqs: set[int] = set()
         self._finished = threading.Condition(self._lock)
         self._wait_targets: list[int] = []     # the submission number each wait() waits below
-        self._active = 0                     # requests submitted and not finished
         self._warned_buffered = False
         self._rr = 0
         self._lanes: list[_Lane] = []
@@ -527,6 +527,14 @@ class AioHandle:
         return self._cfg.intra_op_parallelism
 
     @property
+    def _closed(self) -> bool:
+        return bool(self._core.closed)
+
+    @_closed.setter
+    def _closed(self, value: bool) -> None:
+        self._core.closed = value
+
+    @property
     def config(self) -> AioConfig:
         return self._cfg
 
@@ -555,8 +563,7 @@ class AioHandle:
     @property
     def stats(self) -> HandleStats:
         """A snapshot of the bytes moved by each path."""
-        with self._lock:
-            return self._stats.copy()
+        return HandleStats(*self._core.counters())
 
     @property
     def closed(self) -> bool:
@@ -966,7 +973,7 @@ class AioHandle:
     def _close_lanes(self) -> None:
         """Wait until no request is active, then free the lanes (threads, contexts, rings)."""
         with self._lock:
-            while self._active:
+            while self._core.active:
                 self._idle.wait()
             files = list(self._files.values())
             self._files.clear()
@@ -1090,9 +1097,8 @@ class AioHandle:
                     file_size=size)
             req = _Request(write, mem, f, offset, n, fsync, file)
             with self._lock:
-                if self._closed:
+                if not self._core.enter():
                     raise HandleClosedError(f"{op} of {describe(file)} on a closed AioHandle")
-                self._active += 1
         except BaseException:
             if f is not file:
                 f.unuse()                       # unpinned (see _cached)
@@ -1192,10 +1198,7 @@ class AioHandle:
         """A request is over: give back its file and let close() go on."""
         if req.file is not req.arg:
             req.file.unuse()                    # unpinned (see _cached)
-        with self._lock:
-            self._active -= 1
-            if self._closed and self._active == 0:
-                self._idle.notify_all()
+        self._core.leave()
 
     # -- planning --------------------------------------------------------------------------
     def _block(self, f: AioFile) -> int:
@@ -1230,18 +1233,12 @@ class AioHandle:
         return _plan(req.file, req.mem.address, req.nbytes, req.offset, True if held else None)
 
     def _count_paths(self, mode: int, edges: int, middle: int) -> None:
-        """Bytes per path into the stats (the caller holds ``self._lock``)."""
-        _aio.count_paths(self._stats, mode, edges, middle)
+        """Bytes per path into the stats."""
+        self._core.count_paths(mode, edges, middle)
 
     def _count_outcome(self, write: bool, done: int, failed: bool) -> None:
-        """A finished request into the stats (the caller holds ``self._lock``)."""
-        _aio.count_outcome(self._stats, write, done, failed)
-
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            s = self._stats
-            for k, v in deltas.items():
-                setattr(s, k, getattr(s, k) + v)
+        """A finished request into the stats."""
+        self._core.count_outcome(write, done, failed)
 
     def _submit_parts(self, req: _Request, slices: list[tuple[int, int]], sync: bool,
                       token: Any) -> list[_aio.Request]:
@@ -1312,7 +1309,7 @@ class AioHandle:
                         req.write, mem.address, n, req.file, req.offset)
                 finally:
                     req.file.unuse()
-                self._count(**{f"{path}_bytes": done})
+                self._core.count_path(path, done)
                 if req.fsync:
                     os.fsync(req.file.fileno())
                 return done
@@ -1493,7 +1490,7 @@ class AioHandle:
             outcome = _Outcome(self._seq, fut)
             self._seq += 1
             self._open.append(outcome.seq)
-            self._stats.async_ops += 1
+            self._core.async_ops += 1
         mem = req.mem
         if req.nbytes == 0 or not mem.contiguous or mem.device == "cuda":
             # what goes through a contiguous copy (or cuFile, or is only an fsync): the sync
@@ -1578,9 +1575,7 @@ class AioHandle:
             req.file.unuse()                    # unpinned (see _cached)
         with self._lock:
             self._count_outcome(req.write, token.done, first is not None)
-            self._active -= 1
-            if self._closed and self._active == 0:
-                self._idle.notify_all()
+            self._core.leave(True)
             if token.outcome is not None:
                 self._finished_locked(token.outcome, first)
         if first is not None:

@@ -871,3 +871,43 @@ def test_benchmark_smoke() -> None:
         {("slice", 10), ("slice", 200), ("strided", 10), ("strided", 200)}
     assert all(float(median) > 0 and float(p90) >= float(median) for _, _, median, p90 in rows)
     assert re.search(r"growth slice: 10 -> 200 ranges: [\d.]+x", proc.stdout)
+
+
+def test_the_front_doors_look_up_answers_as_io_hold(reg: PinnedRegistry,
+                                                    plain: torch.Tensor) -> None:
+    """``_aio.io_hold`` (the look-up every request makes, in C) gives the registry's own
+    answer for every case, holds what ``io_hold`` holds and gives it back through
+    ``unhold``."""
+    from aioswap import _aio
+    t = reg.empty(4 * PAGE_SIZE, torch.uint8)
+    u = reg.empty(PAGE_SIZE, torch.uint8)
+    base = t.data_ptr()
+    cases = [(base, 4 * PAGE_SIZE), (base + 5, 10), (base + PAGE_SIZE, 1),
+             (base + 4 * PAGE_SIZE - 1, 1), (base, 4 * PAGE_SIZE + 1), (base, 0),
+             (base - 1, 2), (u.data_ptr(), PAGE_SIZE), (plain.data_ptr(), 16), (0, 16),
+             (2**64 - 8, 4)]
+    with reg.register(plain.data_ptr() + 4096, 4096):       # locked elsewhere: no hold
+        cases += [(plain.data_ptr() + 4096, 4096), (plain.data_ptr() + 4100, 10),
+                  (plain.data_ptr() + 4096, 4097)]
+        for fresh in (True, False):             # right after a change (no snapshot yet)
+            for addr, n in cases:
+                if fresh:
+                    reg._host._snap = None
+                ours, want = _aio.io_hold(reg, addr, n), reg.io_hold(addr, n)
+                assert (ours[0] is want[0], ours[1]) == (True, want[1]), (addr, n)
+                tok = want[0]
+                if tok is not None:             # held twice: once by each
+                    assert tok.io == 2
+                    reg.unhold(ours[0])
+                    reg.unhold(tok)
+                    assert tok.io == 0
+    rec = reg.io_hold(base, 1)[0]
+    reg.unhold(rec)
+    rec.live = False                            # being freed by another thread meanwhile
+    try:
+        assert _aio.io_hold(reg, base, 1) == (None, False) == reg.io_hold(base, 1)
+        assert rec.io == 0
+    finally:
+        rec.live = True
+    reg.free(t)
+    reg.free(u)

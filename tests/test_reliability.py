@@ -176,7 +176,7 @@ def test_sigint_during_sync_read(big_file: tuple[Path, np.ndarray], tmp_path: Pa
             pytest.skip("no SIGINT landed during a transfer")
         _check_after_interrupt(h, path, data, dst, tmp_path)
         if isinstance(target, aioswap.AioFile):
-            assert h._active == 0 and target._users == 0     # nothing counted twice or left
+            assert h._core.active == 0 and target._users == 0     # nothing counted twice or left
             target.close()
 
 

@@ -337,7 +337,7 @@ def test_pread_many_mixes_short_and_general_requests(tmp_dir, no_general):
         with pytest.raises(ShortReadError):
             h.pread_many([(t, f, MiB - 4 * KiB if i == 5 else 0) for i, t in enumerate(ts)])
         assert h.stats.failed == 0       # refused before any I/O
-        assert h._active == 0 and f._users == 0
+        assert h._core.active == 0 and f._users == 0
         assert len(no_general) == 1
         no_general.clear()
 
