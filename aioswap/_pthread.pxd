@@ -31,6 +31,7 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_cond_init(pthread_cond_t* c, const pthread_condattr_t* a)
     int pthread_cond_destroy(pthread_cond_t* c)
     int pthread_cond_broadcast(pthread_cond_t* c)
+    int pthread_cond_signal(pthread_cond_t* c)
     int pthread_cond_timedwait(pthread_cond_t* c, pthread_mutex_t* m, const timespec* t)
     # PTHREAD_MUTEX_INITIALIZER is a brace initialiser Cython cannot spell; the one
     # process-wide mutex is initialised at module import instead.

@@ -32,6 +32,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import warnings
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -89,6 +90,11 @@ def _forked() -> None:
 os.register_at_fork(after_in_child=_forked)
 
 
+# A thread that waits for asynchronous results reaps and delivers them itself, looking at
+# Python signals (KeyboardInterrupt) and at the state it waits for at least this often.
+_HELP_S = 0.01
+
+
 class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
     """The future of one asynchronous request; ``result()`` is the number of bytes moved.
 
@@ -127,6 +133,8 @@ class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
 
     # the lane queue's hurry(): a thread blocked in result() gets the request at once
     _hurry: Any = None
+    # and its help(): that thread reaps and delivers while it waits
+    _help: Any = None
     # the handle whose wait() would raise this future's error; told once result() or
     # exception() has handed it to the caller, so the handle keeps no delivered error
     _ledger: Any = None
@@ -168,6 +176,23 @@ class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
         try:
             if hurry is None or self._state != _RUNNING:
                 return get(timeout)
+            helper = self._help
+            if helper is not None:
+                # this thread reaps and delivers while it waits
+                end = None if timeout is None else time.monotonic() + timeout
+                while self._state == _RUNNING:
+                    left = _HELP_S if end is None else min(_HELP_S, end - time.monotonic())
+                    if left <= 0:
+                        break
+                    batch = helper(left)
+                    if batch is None:
+                        break                   # the lane's thread delivers the rest
+                    if batch:
+                        _aio.deliver(batch)
+                if end is not None:
+                    timeout = max(0.0, end - time.monotonic())
+                if self._state != _RUNNING:
+                    return get(timeout)
             hurry(1)
             try:
                 return get(timeout)
@@ -894,13 +919,30 @@ class AioHandle:
             upto = self._seq
             self._wait_targets.append(upto)
             hurried = False
+            # with one lane, this thread reaps and delivers while it waits (no thread to wake
+            # per completion, no GIL to hand over); else the lanes' threads do, and notify
+            helper = self._lanes[0].queue.help if len(self._lanes) == 1 else None
+            stand_by = False
             try:
                 while self._open and self._open[0] < upto:
+                    if helper is not None and not stand_by:
+                        self._lock.release()
+                        try:
+                            batch = helper(_HELP_S)
+                            if batch:
+                                _aio.deliver(batch)
+                        finally:
+                            self._lock.acquire()
+                        # None: nothing left in flight, the lane's thread delivers the rest;
+                        # look again under the lock before waiting for its notification
+                        stand_by = batch is None
+                        continue
                     if not hurried:             # nothing to gather batches for now
                         hurried = True
                         for lane in self._lanes:
                             lane.queue.hurry(1)
                     self._finished.wait()
+                    stand_by = False
             finally:
                 self._wait_targets.remove(upto)
                 if hurried:

@@ -687,3 +687,53 @@ def test_auto_backend_falls_back_to_threads_when_io_setup_is_refused(
     """)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "AIO REFUSED True" in r.stdout and "BACKEND threads True True" in r.stdout
+
+
+def test_waiting_threads_reap_and_deliver_with_the_completion_thread(tmp_path: Path) -> None:
+    """Bursts of async requests from 4 threads, each waited for a different way (handle
+    wait(), each future's result(), concurrent.futures.wait, a done callback, nothing until
+    the end): threads that wait reap and deliver for the lane while its completion thread
+    stands by; every request ends once, byte-exact, and no wait hangs."""
+    import concurrent.futures as cf
+    size = 8 * MiB
+    data = _rand(size, 11)
+    p = _write(tmp_path / "help.bin", data)
+    errors: list[BaseException] = []
+    with aioswap.AioHandle(queue_depth=16) as h:
+        f = h.open(p, "r")
+
+        def work(k: int) -> None:
+            rng = random.Random(k)
+            bufs = [pinned.empty(16 * KiB, torch.uint8, strict=False) for _ in range(24)]
+            try:
+                for rnd in range(40):
+                    offs = [rng.randrange(0, size - 16 * KiB) for _ in bufs]
+                    ns = [rng.choice((4 * KiB, 16 * KiB, 3000, 1)) for _ in bufs]
+                    hit = threading.Event()
+                    futs = [f.pread(b[:n], o, async_op=True) for b, n, o in zip(bufs, ns, offs)]
+                    how = (k + rnd) % 5
+                    if how == 0:
+                        h.wait()
+                    elif how == 1:
+                        assert [fu.result(timeout=30) for fu in futs] == ns
+                    elif how == 2:
+                        assert not cf.wait(futs, timeout=30).not_done
+                    elif how == 3:
+                        futs[-1].add_done_callback(lambda _: hit.set())
+                        assert hit.wait(30)
+                        assert not cf.wait(futs, timeout=30).not_done
+                    for fu, b, n, o in zip(futs, bufs, ns, offs):
+                        assert fu.result(timeout=30) == n
+                        assert bytes(b[:n].numpy()) == data[o:o + n]
+            except BaseException as e:      # noqa: BLE001  (reported below)
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a wait hung"
+        h.wait()
+        assert h._core.active == 0 and f._users == 0
+    assert not errors, errors[0]

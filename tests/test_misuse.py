@@ -5,6 +5,7 @@ exit status and on the bytes.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import os
 import stat
@@ -283,7 +284,9 @@ def test_wait_in_a_done_callback_is_refused(tmp_path: Path) -> None:
         for _ in range(20):             # until one callback ran on the completion thread
             fut = h.pread(torch.empty(32 * MiB, dtype=torch.uint8), p, 0, async_op=True)
             fut.add_done_callback(cb)
-            fut.result(timeout=30)
+            # not fut.result(): a thread blocked there reaps and delivers itself, so the
+            # callback would run here; concurrent.futures.wait leaves it to the lane
+            concurrent.futures.wait([fut], timeout=30)
             h.wait()
             if seen:
                 break
