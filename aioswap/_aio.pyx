@@ -871,14 +871,19 @@ cdef inline double _mono() noexcept nogil:
     return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
-cdef void _timedwait(_Q* q, long ns) noexcept nogil:
-    """Wait on q.cv (q.mu held) for at most ``ns`` nanoseconds."""
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
+cdef inline void _after(timespec* ts, long ns) noexcept nogil:
+    """``ts``: CLOCK_MONOTONIC ``ns`` nanoseconds from now (a condition's deadline)."""
+    clock_gettime(CLOCK_MONOTONIC, ts)
     ts.tv_nsec += ns
     while ts.tv_nsec >= 1000000000:
         ts.tv_nsec -= 1000000000
         ts.tv_sec += 1
+
+
+cdef void _timedwait(_Q* q, long ns) noexcept nogil:
+    """Wait on q.cv (q.mu held) for at most ``ns`` nanoseconds."""
+    cdef timespec ts
+    _after(&ts, ns)
     q.waiters += 1
     pt.pthread_cond_timedwait(&q.cv, &q.mu, &ts)
     q.waiters -= 1
@@ -897,11 +902,7 @@ cdef inline void _wake(_Q* q) noexcept nogil:
 cdef void _swait(_Q* q, long ns, bint nap) noexcept nogil:
     """The completion thread waits on q.scv (q.mu held) for at most ``ns`` nanoseconds."""
     cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    ts.tv_nsec += ns
-    while ts.tv_nsec >= 1000000000:
-        ts.tv_nsec -= 1000000000
-        ts.tv_sec += 1
+    _after(&ts, ns)
     q.swaiting = True
     q.napping = nap
     pt.pthread_cond_timedwait(&q.scv, &q.mu, &ts)
@@ -1464,10 +1465,23 @@ cdef void _break(_Q* q, int e) noexcept nogil:
         r = nxt
 
 
+cdef void _reap_round(_Q* q, long ns) noexcept nogil:
+    """q.mu held (and held again on return), the reaping role free: take it for one round
+    of _q_reap (waiting at most ``ns`` in the kernel), give it back and wake the others."""
+    cdef int e
+    q.reaping = True
+    pt.pthread_mutex_unlock(&q.mu)
+    e = _q_reap(q, ns)
+    pt.pthread_mutex_lock(&q.mu)
+    q.reaping = False
+    if e:
+        _break(q, e)
+    _wake(q)
+
+
 cdef int _wait_req(_Q* q, _Req* r, double budget) noexcept nogil:
     """Drive or wait until ``r`` is finished: 0, or 1 when ``budget`` seconds passed."""
     cdef double deadline = _mono() + budget
-    cdef int e
     pt.pthread_mutex_lock(&q.mu)
     while not r.finished:
         if q.broken:
@@ -1476,14 +1490,7 @@ cdef int _wait_req(_Q* q, _Req* r, double budget) noexcept nogil:
             _unlink(q, r)
             break
         if not q.reaping and _has_work(q):
-            q.reaping = True
-            pt.pthread_mutex_unlock(&q.mu)
-            e = _q_reap(q, _TICK_NS)
-            pt.pthread_mutex_lock(&q.mu)
-            q.reaping = False
-            if e:
-                _break(q, e)
-            _wake(q)
+            _reap_round(q, _TICK_NS)
         else:
             _timedwait(q, _TICK_NS)
         if not r.finished and _mono() > deadline:
@@ -1508,7 +1515,6 @@ cdef double _BURST_GAP_S = 0.00003
 cdef int _serve(_Q* q, _Req** out) noexcept nogil:
     """The completion thread: reap while asynchronous work is in flight; return finished
     asynchronous requests (linked through done_next), or -1 once closing and idle."""
-    cdef int e
     cdef double wait_s
     cdef long ns
     cdef double now, quiet
@@ -1549,14 +1555,7 @@ cdef int _serve(_Q* q, _Req** out) noexcept nogil:
                         ns = 5000
                     _swait(q, ns, True)
                     continue
-            q.reaping = True
-            pt.pthread_mutex_unlock(&q.mu)
-            e = _q_reap(q, ns)
-            pt.pthread_mutex_lock(&q.mu)
-            q.reaping = False
-            if e:
-                _break(q, e)
-            _wake(q)
+            _reap_round(q, ns)
             continue
         _swait(q, ns, False)
 
@@ -1570,7 +1569,7 @@ cdef int _help(_Q* q, _Req** out, double budget) noexcept nogil:
     cdef double deadline = _mono() + budget
     cdef double left
     cdef long ns
-    cdef int e, rc
+    cdef int rc
     pt.pthread_mutex_lock(&q.mu)
     q.helpers += 1
     while True:
@@ -1594,14 +1593,7 @@ cdef int _help(_Q* q, _Req** out, double budget) noexcept nogil:
         if ns < 20000:
             ns = 20000
         if not q.reaping and not q.broken:
-            q.reaping = True
-            pt.pthread_mutex_unlock(&q.mu)
-            e = _q_reap(q, ns)
-            pt.pthread_mutex_lock(&q.mu)
-            q.reaping = False
-            if e:
-                _break(q, e)
-            _wake(q)
+            _reap_round(q, ns)
         else:
             _timedwait(q, ns)
     q.helpers -= 1
