@@ -2672,7 +2672,7 @@ cdef object _io_hold(object registry, uint64_t addr, uint64_t n, bint* locked):
     cdef Py_ssize_t lo = 0, hi, mid
     cdef tuple starts, ends
     locked[0] = False
-    if n == 0:
+    if n == 0 or addr + n < addr:           # empty, or past the top of the address space
         return None
     snap = registry._host._snap
     if type(snap) is not tuple:

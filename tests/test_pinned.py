@@ -885,7 +885,7 @@ def test_the_front_doors_look_up_answers_as_io_hold(reg: PinnedRegistry,
     cases = [(base, 4 * PAGE_SIZE), (base + 5, 10), (base + PAGE_SIZE, 1),
              (base + 4 * PAGE_SIZE - 1, 1), (base, 4 * PAGE_SIZE + 1), (base, 0),
              (base - 1, 2), (u.data_ptr(), PAGE_SIZE), (plain.data_ptr(), 16), (0, 16),
-             (2**64 - 8, 4)]
+             (2**64 - 8, 4), (2**64 - 8, 16), (base, 2**64 - 1)]
     with reg.register(plain.data_ptr() + 4096, 4096):       # locked elsewhere: no hold
         cases += [(plain.data_ptr() + 4096, 4096), (plain.data_ptr() + 4100, 10),
                   (plain.data_ptr() + 4096, 4097)]
