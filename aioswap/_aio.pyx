@@ -2241,19 +2241,22 @@ cdef class AioQueue:
 
     def help(self, double budget):
         """A thread that waits for asynchronous results does the completion thread's work
-        for up to ``budget`` seconds (it reaps when nobody else does, so no other thread has
-        to wake it): the finished requests, for :func:`deliver` (maybe none), or None when
-        nothing asynchronous is left in flight here (then the completion thread delivers
-        whatever it holds: wait on its notification instead)."""
+        for up to ``budget`` seconds: it reaps when nobody else does (so no other thread has
+        to wake it) and delivers what finished (:func:`deliver`: futures finished, callbacks
+        run here). True while asynchronous requests are in flight here; False when none is
+        left (the completion thread may still be delivering some: wait on its notification
+        then)."""
         cdef _Req* head = NULL
         cdef int rc
         if not self._ready or self._pid != _self_pid:
-            return None
+            return False
         with nogil:
             rc = _help(&self.q, &head, budget)
         if rc < 0:
-            return None
-        return _done_list(head)
+            return False
+        if head != NULL:
+            deliver(_done_list(head))
+        return True
 
     def hurry(self, int delta):
         """Count a thread that starts (+1) or stops (-1) waiting for asynchronous results.
@@ -2592,8 +2595,9 @@ cdef class HandleCore:
         self.active += 1
         return True
 
-    cdef int leave_(self, bint locked) except -1:
-        self.active -= 1
+    cdef int leave_(self, Py_ssize_t n, bint locked) except -1:
+        # count ``n`` requests out (``locked``: the caller holds the handle's lock)
+        self.active -= n
         if self.active == 0 and self.closed:
             if locked:
                 self._idle.notify_all()
@@ -2611,7 +2615,7 @@ cdef class HandleCore:
 
     def leave(self, bint locked=False):
         """Count a request out (``locked``: the caller holds the handle's lock)."""
-        self.leave_(locked)
+        self.leave_(1, locked)
 
     def count_paths(self, int mode, uint64_t edges, uint64_t middle):
         """Bytes per path of one request."""
@@ -2723,6 +2727,19 @@ cdef int _unhold(object registry, object hold) except -1:
     lock.acquire()
     try:
         hold.io -= 1
+    finally:
+        lock.release()
+    return 0
+
+
+cdef int _unhold_all(object registry, list holds) except -1:
+    """:func:`_unhold` for each hold in ``holds`` (None: none), under one lock."""
+    lock = registry._io_lock
+    lock.acquire()
+    try:
+        for hold in holds:
+            if hold is not None:
+                hold.io -= 1
     finally:
         lock.release()
     return 0
@@ -3057,7 +3074,7 @@ cdef _short_done(h, AioFile f, hold, bint write, uint64_t done, bint failed):
     core = <HandleCore>h._core
     last = f.unpin()
     _count_outcome(core, write, done, failed)
-    core.leave_(False)
+    core.leave_(1, False)
     if hold is not None:
         _unhold(_f_pinned.registry, hold)
     if last:
@@ -3179,7 +3196,6 @@ def complete(h, list items):
             _close_seq(opened, closed, t.seq)
         h._unwaited += n
         stats = <HandleCore>h._core
-        stats.active -= n
         if nreads:
             stats.reads += nreads
             stats.read_bytes += rbytes
@@ -3189,16 +3205,14 @@ def complete(h, list items):
         if nfailed:
             stats.failed += nfailed
         _wake_waiters(h, opened)
-        if stats.closed and stats.active == 0:
-            h._idle.notify_all()
+        stats.leave_(n, True)
     finally:
         lock.release()
-    registry = _f_pinned.registry
+    holds = [(<Ticket>(<Request>item).token).hold for item in items]
+    _unhold_all(_f_pinned.registry, holds)
     for item in items:
         rq = <Request>item
         t = <Ticket>rq.token
-        if t.hold is not None:
-            _unhold(registry, t.hold)
         try:
             _finish_future(t.fut, rq.r.done, t.error)
         except BaseException:               # a callback's error stays with it

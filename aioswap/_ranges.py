@@ -81,6 +81,8 @@ class RangeIndex(Generic[V]):
         self._starts: list[int] = []
         self._ends: list[int] = []
         self._values: list[V] = []
+        # read without a lock by lookups here and by aioswap._aio._io_hold (the front door's
+        # registry look-up, in C): keep it an immutable (starts, ends, values) or None
         self._snap: _Snapshot[V] | None = ((), (), ())
 
     # ----------------------------------------------------------------------- changes

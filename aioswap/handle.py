@@ -184,11 +184,8 @@ class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
                     left = _HELP_S if end is None else min(_HELP_S, end - time.monotonic())
                     if left <= 0:
                         break
-                    batch = helper(left)
-                    if batch is None:
+                    if not helper(left):
                         break                   # the lane's thread delivers the rest
-                    if batch:
-                        _aio.deliver(batch)
                 if end is not None:
                     timeout = max(0.0, end - time.monotonic())
                 if self._state != _RUNNING:
@@ -928,14 +925,12 @@ class AioHandle:
                     if helper is not None and not stand_by:
                         self._lock.release()
                         try:
-                            batch = helper(_HELP_S)
-                            if batch:
-                                _aio.deliver(batch)
+                            helping = helper(_HELP_S)
                         finally:
                             self._lock.acquire()
-                        # None: nothing left in flight, the lane's thread delivers the rest;
-                        # look again under the lock before waiting for its notification
-                        stand_by = batch is None
+                        # nothing left in flight: the lane's thread delivers the rest; look
+                        # again under the lock before waiting for its notification
+                        stand_by = not helping
                         continue
                     if not hurried:             # nothing to gather batches for now
                         hurried = True

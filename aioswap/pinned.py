@@ -359,6 +359,7 @@ class PinnedRegistry:
         self._pending: list[_Range] = []        # collected during our own critical section
         self._host: RangeIndex[_Range] = RangeIndex(self._critical)
         self._device: RangeIndex[_Range] = RangeIndex(self._critical)
+        # guards each record's ``io`` count; aioswap._aio._io_hold/_unhold take it too
         self._io_lock = threading.Lock()
         self._unlocked: dict[int, _Range] = {}
         self._bytes_locked = 0
