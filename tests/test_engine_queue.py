@@ -737,3 +737,53 @@ def test_waiting_threads_reap_and_deliver_with_the_completion_thread(tmp_path: P
         h.wait()
         assert h._core.active == 0 and f._users == 0
     assert not errors, errors[0]
+
+
+def test_requests_nobody_waits_for_still_finish_after_waited_bursts(tmp_path: Path) -> None:
+    """While a lane's callers wait for their bursts (and reap them), queueing a request no
+    longer wakes the completion thread; it looks on its own every millisecond. A request
+    nobody waits for (a done callback, a many-piece read left running while the caller
+    sleeps, an asyncio future) must still be reaped, finish and be delivered, byte-exact."""
+    import asyncio
+    import time
+    size = 8 * MiB
+    data = _rand(size, 12)
+    p = _write(tmp_path / "helped.bin", data)
+    with aioswap.AioHandle(queue_depth=8, block_size=64 * KiB) as h:
+        f = h.open(p, "r")
+        bufs = [pinned.empty(4 * KiB, torch.uint8, strict=False) for _ in range(16)]
+        big = pinned.empty(size, torch.uint8, strict=False)
+
+        def bursts() -> None:           # the callers reap their own bursts: helped mode
+            for r in range(6):
+                for i, b in enumerate(bufs):
+                    f.pread(b, (r * 16 + i) * 4 * KiB, async_op=True)
+                h.wait()
+            assert bytes(bufs[3].numpy()) == data[(5 * 16 + 3) * 4 * KiB:][:4 * KiB]
+
+        for k in range(20):
+            bursts()
+            hit = threading.Event()
+            fut = f.pread(bufs[0], 4096 * (k + 1), async_op=True)
+            fut.add_done_callback(lambda _: hit.set())
+            assert hit.wait(10), "a request nobody waited for was never delivered"
+            assert bytes(bufs[0].numpy()) == data[4096 * (k + 1):][:4096]
+        bursts()
+        # 128 pieces at depth 8: only a reaper moves it on; the caller sleeps meanwhile
+        fut = f.pread(big, 0, async_op=True)
+        deadline = time.monotonic() + 30
+        while not fut.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fut.done(), "a many-piece read nobody waited for stalled"
+        assert fut.result() == size and bytes(big.numpy()) == data
+        bursts()
+
+        async def gather() -> list[int]:
+            return list(await asyncio.wait_for(asyncio.gather(
+                *(asyncio.wrap_future(f.pread(b, i * 8 * KiB, async_op=True))
+                  for i, b in enumerate(bufs))), 30))
+
+        assert asyncio.run(gather()) == [4 * KiB] * len(bufs)
+        for i, b in enumerate(bufs):
+            assert bytes(b.numpy()) == data[i * 8 * KiB:][:4 * KiB]
+        assert h._core.active == 0
