@@ -596,9 +596,18 @@ cdef long _TICK_NS = 10000000
 cdef long _EDGE_POLL_NS = 200000
 
 
+cdef extern from "<sys/vfs.h>" nogil:
+    ctypedef struct _statfs_t "struct statfs":
+        long f_type
+    int _fstatfs "fstatfs"(int fd, _statfs_t* buf)
+
+cdef long _TMPFS_MAGIC = 0x01021994
+
+
 cdef struct _FileCore:
     int64_t logical_end         # largest end of the writes in flight on the file
     int active_writes
+    bint inline                 # on tmpfs: io_uring runs its pieces in the submitting thread
 
 
 cdef struct _Req:
@@ -1121,6 +1130,8 @@ cdef int _cut_one(_Q* q, _Req* r) noexcept nogil:
     if kind == K_FSYNC:
         sl.cb.aio_lio_opcode = abi.IOCB_CMD_FSYNC
     else:
+        if q.uring != NULL and r.file != NULL and r.file.inline:
+            sl.cb.aio_flags = ur.URING_IOCB_INLINE
         sl.cb.aio_lio_opcode = abi.IOCB_CMD_PREAD if kind == K_RMW_READ else r.opcode
         sl.cb.aio_buf = uaddr if b < 0 else <uint64_t>(q.ring + <uint64_t>b * q.bufsize)
         sl.cb.aio_nbytes = span
@@ -1668,10 +1679,26 @@ cdef class FileState:
     def __cinit__(self):
         self.core.logical_end = 0
         self.core.active_writes = 0
+        self.core.inline = False
 
     @property
     def active_writes(self):
         return self.core.active_writes
+
+    @property
+    def inline(self):
+        """Whether the file is on tmpfs (set by :meth:`probe`): the io_uring backend then
+        runs its reads and writes in the submitting thread, as kernel AIO does, instead of
+        letting io_uring hand each one to a kernel worker thread (it cannot start I/O on
+        tmpfs without blocking): 4 KiB bursts of 32 on /dev/shm cost 21 us of CPU per
+        request that way."""
+        return self.core.inline
+
+    def probe(self, int fd):
+        """Look at the file system of ``fd`` (``fstatfs``); errors leave it as it was."""
+        cdef _statfs_t sf
+        if _fstatfs(fd, &sf) == 0:
+            self.core.inline = sf.f_type == _TMPFS_MAGIC
 
 
 cdef class AioQueue

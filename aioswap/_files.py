@@ -62,6 +62,7 @@ def _inode(fd: int, st: os.stat_result, direct: bool) -> _Inode:
         if rec is None:
             mem, off = _aio.dio_alignment(fd) if direct else (1, 1)
             rec = _Inode(mem, off)
+            rec.state.probe(fd)
             _inodes[key] = rec
         elif direct and rec.off_align == 1:
             # first seen on a buffered fd; this one is direct

@@ -40,6 +40,13 @@
 #include <time.h>
 #include <unistd.h>
 
+/* iocb->aio_flags bit (ours, never passed to io_submit): run this read or write in the
+ * submitting thread, under `mu`, and post its result through an IORING_OP_NOP (its result
+ * kept in aio_reserved2 meanwhile). For files io_uring cannot start without blocking and
+ * would hand to a kernel worker thread one by one: tmpfs, whose O_DIRECT and buffered I/O
+ * is a memory copy (kernel AIO runs it inside io_submit too). */
+#define URING_IOCB_INLINE (1U << 31)
+
 #if defined(__has_include)
 #if !__has_include(<linux/io_uring.h>)
 #define AIOSWAP_NO_URING 1             /* kernel headers older than 5.1 (e.g. manylinux) */
@@ -381,6 +388,22 @@ static int uring_fill_(uring *u, struct io_uring_sqe *sqe, struct iocb *cb)
         sqe->len = (uint32_t)n;
         sqe->off = (uint64_t)cb->aio_offset;
         sqe->rw_flags = (uint32_t)cb->aio_rw_flags;
+        if (cb->aio_flags & URING_IOCB_INLINE) {
+            ssize_t r;
+            do {
+                if (cb->aio_lio_opcode == IOCB_CMD_PREAD)
+                    r = pread((int)cb->aio_fildes, (void *)(uintptr_t)cb->aio_buf, (size_t)n,
+                              (off_t)cb->aio_offset);
+                else
+                    r = pwrite((int)cb->aio_fildes, (const void *)(uintptr_t)cb->aio_buf,
+                               (size_t)n, (off_t)cb->aio_offset);
+            } while (r < 0 && errno == EINTR);
+            cb->aio_reserved2 = (uint64_t)(int64_t)(r < 0 ? -errno : r);
+            memset(sqe, 0, sizeof *sqe);
+            sqe->opcode = IORING_OP_NOP;
+            sqe->user_data = (uint64_t)(uintptr_t)cb;
+            return 0;
+        }
         for (i = 0; i < u->nreg; i++) {
             if (cb->aio_buf >= u->reg[i].start && cb->aio_buf + n <= u->reg[i].end) {
                 sqe->opcode = sqe->opcode == IORING_OP_READ ? IORING_OP_READ_FIXED
@@ -510,6 +533,8 @@ static long uring_harvest_(uring *u, struct io_event *out, long max, int *streak
         int64_t res = cqe->res;
         int rw = cb->aio_lio_opcode == IOCB_CMD_PREAD || cb->aio_lio_opcode == IOCB_CMD_PWRITE;
         head++;
+        if (rw && (cb->aio_flags & URING_IOCB_INLINE))
+            res = (int64_t)cb->aio_reserved2;   /* the NOP stood in for it */
         if (rw && res >= 0 && uring_inject.cqe_eagain && uring_take_(&uring_inject.cqe_eagain))
             res = -EAGAIN;
         if (rw && res >= 8192 && uring_inject.cqe_short && uring_take_(&uring_inject.cqe_short))

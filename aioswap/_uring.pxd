@@ -23,7 +23,8 @@ cdef extern from "_uring.h" nogil:
     int uring_unregister_buffer(uring* u, void* addr, size_t len)
     void uring_destroy(uring* u)
     void uring_forget(uring* u)
-    # IORING_SETUP_* flags reported by uring_setup
+    # IORING_SETUP_* flags reported by uring_setup; iocb flag: run in the submitting thread
     enum:
+        URING_IOCB_INLINE
         IORING_SETUP_CQSIZE
         IORING_SETUP_SUBMIT_ALL
