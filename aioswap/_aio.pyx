@@ -2574,13 +2574,13 @@ cdef class AioFile:
         """Read into ``buffer`` at ``offset`` (see :meth:`aioswap.AioHandle.pread`)."""
         if self._handle is None:
             raise ValueError(f"{self.name} has no handle to run requests on")
-        return request(self._handle, False, buffer, self, offset, nbytes, async_op, False)
+        return _request(self._handle, False, buffer, self, offset, nbytes, async_op, False)
 
     def pwrite(self, buffer, offset=0, *, nbytes=None, async_op=False, fsync=False):
         """Write ``buffer`` at ``offset`` (see :meth:`aioswap.AioHandle.pwrite`)."""
         if self._handle is None:
             raise ValueError(f"{self.name} has no handle to run requests on")
-        return request(self._handle, True, buffer, self, offset, nbytes, async_op, fsync)
+        return _request(self._handle, True, buffer, self, offset, nbytes, async_op, fsync)
 
     def fsync(self):
         """Make the data and size written so far durable."""
@@ -2813,6 +2813,11 @@ cdef int _unhold_all(object registry, list holds) except -1:
 def request(h, bint write, buffer, file, offset, nbytes, bint async_op, bint fsync):
     """``AioHandle.pread``/``pwrite``: the short path where it applies (see :func:`short`),
     else the handle's general path (``AioHandle._request``)."""
+    return _request(h, write, buffer, file, offset, nbytes, async_op, fsync)
+
+
+cdef object _request(h, bint write, buffer, file, offset, nbytes, bint async_op, bint fsync):
+    # request(); AioFile.pread/pwrite call it directly (no Python call in between)
     cdef int64_t size = -1
     if (nbytes is None and not fsync and type(buffer) in _f_types and type(offset) is int
             and offset >= 0):
@@ -3011,6 +3016,7 @@ cdef object _short(h, bint write, t, AioFile f, offset, int how, arg, list sink,
     cdef Request rq
     cdef ShortQueued sq
     cdef struct_stat st
+    cdef ssize_t got
     if _f_layout is None:
         _f_layout = _f_handle._short_layout
     if (type(offset) is not int or offset < 0 or offset > _OFF_MAX or f._handle is not h
@@ -3126,7 +3132,18 @@ cdef object _short(h, bint write, t, AioFile f, offset, int how, arg, list sink,
         return sq
     done = -1
     try:
-        done = q._run(fd, write, addr, n, off, mode, align, f.piece, f.state, False, f.name)
+        if not write and not edges and n <= f.piece and (mode == M_DIRECT or mode == M_PLAIN):
+            # One piece, read and waited for by this thread: a queue adds nothing but its
+            # system calls (submit, then reap). A read that comes back whole is done; any
+            # other outcome (an error, short: a racing truncation) runs again through the
+            # queue, which says what happened (a read can be repeated).
+            with nogil:
+                got = pread(fd, <void*>addr, n, off)
+            if got == <ssize_t>n:
+                done = n
+        if done < 0:
+            done = q._run(fd, write, addr, n, off, mode, align, f.piece, f.state, False,
+                          f.name)
     finally:
         # an error or an interruption (the queue drained the request first) is raised
         _short_done(h, f, hold, write, max(done, 0), done < 0)
