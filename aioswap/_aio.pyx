@@ -3064,8 +3064,7 @@ cdef object _short(h, bint write, t, AioFile f, offset, int how, arg, list sink,
         if how == 1:
             fut = _f_future.__new__(_f_future)
             init_future(fut, "write" if write else "read", arg, n, offset)
-            fut._hurry = q.hurry
-            fut._help = q.help
+            fut._queue = q                  # its hurry() and help() (see IOFuture)
             ticket = Ticket.__new__(Ticket)
             ticket.handle = h
             ticket.write = write

@@ -131,10 +131,9 @@ class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
                     c = self._cond = threading.Condition()
         return c
 
-    # the lane queue's hurry(): a thread blocked in result() gets the request at once
-    _hurry: Any = None
-    # and its help(): that thread reaps and delivers while it waits
-    _help: Any = None
+    # the lane queue (short-path requests): its hurry() gets a thread blocked in result()
+    # the request at once, and with its help() that thread reaps and delivers while it waits
+    _queue: Any = None
     # the handle whose wait() would raise this future's error; told once result() or
     # exception() has handed it to the caller, so the handle keeps no delivered error
     _ledger: Any = None
@@ -172,29 +171,27 @@ class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
         if self._state == _RUNNING and self._generation != _fork_generation[0]:
             raise RuntimeError(f"{self!r} belongs to the process that forked this one and "
                                f"cannot finish here; make a new AioHandle in the child")
-        hurry = self._hurry
+        q = self._queue
         try:
-            if hurry is None or self._state != _RUNNING:
+            if q is None or self._state != _RUNNING:
                 return get(timeout)
-            helper = self._help
-            if helper is not None:
-                # this thread reaps and delivers while it waits
-                end = None if timeout is None else time.monotonic() + timeout
-                while self._state == _RUNNING:
-                    left = _HELP_S if end is None else min(_HELP_S, end - time.monotonic())
-                    if left <= 0:
-                        break
-                    if not helper(left):
-                        break                   # the lane's thread delivers the rest
-                if end is not None:
-                    timeout = max(0.0, end - time.monotonic())
-                if self._state != _RUNNING:
-                    return get(timeout)
-            hurry(1)
+            # this thread reaps and delivers while it waits
+            end = None if timeout is None else time.monotonic() + timeout
+            while self._state == _RUNNING:
+                left = _HELP_S if end is None else min(_HELP_S, end - time.monotonic())
+                if left <= 0:
+                    break
+                if not q.help(left):
+                    break                       # the lane's thread delivers the rest
+            if end is not None:
+                timeout = max(0.0, end - time.monotonic())
+            if self._state != _RUNNING:
+                return get(timeout)
+            q.hurry(1)
             try:
                 return get(timeout)
             finally:
-                hurry(-1)
+                q.hurry(-1)
         finally:
             if self._state == _FINISHED:
                 self._deliver()
