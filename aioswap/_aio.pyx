@@ -24,7 +24,9 @@ from cpython.buffer cimport (PyBUF_FORMAT, PyBUF_ND, PyBUF_SIMPLE, PyBUF_STRIDES
                             PyObject_GetBuffer)
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
-from libc.errno cimport EAGAIN, EFAULT, EINTR, EINVAL, EIO, EISDIR, ENOSYS, EPERM, errno
+from cpython.weakref cimport PyWeakref_NewRef
+from libc.errno cimport (EAGAIN, EBUSY, EFAULT, EINTR, EINVAL, EIO, EISDIR, ENOSPC, ENOSYS, EPERM,
+                         errno)
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memset
 
@@ -389,6 +391,15 @@ cdef void* _fresh(size_t mapped, bint lock) except NULL:
     return addr
 
 
+# Page-locked allocations an io_uring registers (AioQueue._fix_at): from 64 KiB (a table of 64
+# buffers is not spent on small ones) to 8 GiB (8 of its 64 entries).
+cdef size_t _FIX_MIN = 64 << 10
+cdef size_t _FIX_MAX = 8ULL << 30
+
+
+cdef class AioQueue
+
+
 cdef class LockedMemory:
     """Page-aligned anonymous memory (``mmap``), ``mlock``-ed when asked; a writable buffer.
 
@@ -413,6 +424,8 @@ cdef class LockedMemory:
     cdef size_t _mapped
     cdef bint _locked
     cdef Py_ssize_t _exports
+    cdef object _rings          # weak references to the AioQueues whose io_uring registered
+                                # (or refused) these pages: see AioQueue._fix_at
     cdef object __weakref__
 
     def __cinit__(self):
@@ -421,6 +434,7 @@ cdef class LockedMemory:
         self._mapped = 0
         self._locked = False
         self._exports = 0
+        self._rings = None
 
     def __init__(self, Py_ssize_t nbytes, bint lock=True):
         cdef size_t page = PAGE_SIZE
@@ -513,6 +527,8 @@ cdef class LockedMemory:
         cdef bint locked = self._locked
         if addr == NULL:
             return
+        if self._rings is not None:
+            _forget_fixed(self)             # no ring keeps these pages once they are let go
         self._addr = NULL
         if locked and _cache_put(addr, mapped):
             return
@@ -1701,9 +1717,6 @@ cdef class FileState:
             self.core.inline = sf.f_type == _TMPFS_MAGIC
 
 
-cdef class AioQueue
-
-
 cdef class Request:
     """One request from :meth:`AioQueue.submit` to its result: the engine's only handle on it.
 
@@ -2027,6 +2040,59 @@ cdef class AioQueue:
         return self.q.uring != NULL and self.q.nbuf > 0 and not self.ring_note
 
     @property
+    def fixed_pieces(self):
+        """Pieces that went to io_uring as ``READ_FIXED``/``WRITE_FIXED`` so far (0 on the
+        other backends)."""
+        if not self._ready or self.q.uring == NULL:
+            return 0
+        return ur.uring_fixed_pieces(self.q.uring)
+
+    @property
+    def fixed_buffers(self):
+        """Buffers registered with this queue's io_uring: the bounce ring and page-locked
+        allocations (a piece of at most 1 GiB each)."""
+        if not self._ready or self.q.uring == NULL:
+            return 0
+        return ur.uring_registered(self.q.uring)
+
+    cdef int _fix_at(self, uint64_t addr, uint64_t n) except -1:
+        """io_uring: register the allocation of the page-locked registry that holds
+        ``[addr, addr + n)`` with this queue's ring, once, so its pieces go READ_FIXED/
+        WRITE_FIXED (the kernel pins the pages once instead of per piece). Allocations of
+        _FIX_MIN to _FIX_MAX bytes while the table has room; a refusal (ENOMEM under
+        RLIMIT_MEMLOCK) is said once, and that memory keeps plain READ/WRITE. The memory
+        (LockedMemory._unmap) unregisters itself from every ring before its pages go."""
+        cdef LockedMemory m
+        cdef int rc = -1, e = 0
+        if ur.uring_covers(self.q.uring, addr, n) or _f_pinned is None:
+            return 0
+        rec = _rec_at(_f_pinned.registry, addr, n)
+        if rec is None or rec.ref is None:
+            return 0
+        mem = rec.ref()
+        if type(mem) is not LockedMemory:
+            return 0
+        m = <LockedMemory>mem
+        if m._addr == NULL or not m._locked or m._mapped < _FIX_MIN or m._mapped > _FIX_MAX:
+            return 0
+        if m._rings is None:
+            m._rings = []
+        for ref in m._rings:
+            if ref() is self:
+                return 0                    # registered before, or refused
+        m._rings.append(PyWeakref_NewRef(self, None))
+        with nogil:
+            pt.pthread_mutex_lock(&self.q.mu)
+            if self.q.uring != NULL:
+                rc = ur.uring_register_buffer(self.q.uring, m._addr, m._mapped)
+                e = errno
+            pt.pthread_mutex_unlock(&self.q.mu)
+        if rc < 0 and e != ENOSPC and e != EBUSY and e != 0:
+            _note_once(f"registering page-locked memory with io_uring failed: "
+                       f"{os.strerror(e)}; plain READ/WRITE on it")
+        return 0
+
+    @property
     def depth(self):
         return self.q.depth
 
@@ -2147,6 +2213,8 @@ cdef class AioQueue:
         if edges and <uint64_t>self.q.bufsize < align:
             raise ValueError(f"ring buffers of {self.q.bufsize} bytes are smaller than the "
                              f"alignment {align}")
+        if mode == M_DIRECT and nbytes > 0 and self.q.uring != NULL:
+            self._fix_at(addr, nbytes)
         if edges and write and file is None:
             raise ValueError("an unaligned write needs its FileState")
         req = Request.__new__(Request)
@@ -2778,6 +2846,51 @@ cdef object _io_hold(object registry, uint64_t addr, uint64_t n, bint* locked):
     return rec
 
 
+cdef object _rec_at(object registry, uint64_t addr, uint64_t n):
+    # the registry's record of the locked host range holding [addr, addr + n), or None (none,
+    # or no snapshot now: this is only a hint)
+    cdef Py_ssize_t lo = 0, hi, mid
+    cdef tuple starts
+    if n == 0 or addr + n < addr:
+        return None
+    snap = registry._host._snap
+    if type(snap) is not tuple:
+        return None
+    starts = <tuple>(<tuple>snap)[0]
+    hi = len(starts)
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if addr < <uint64_t>starts[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo == 0 or addr + n > <uint64_t>(<tuple>(<tuple>snap)[1])[lo - 1]:
+        return None
+    return (<tuple>(<tuple>snap)[2])[lo - 1]
+
+
+cdef void _forget_fixed(LockedMemory m) noexcept:
+    # m's pages are about to be unlocked and unmapped (or cached for reuse): unregister them
+    # from every ring that registered them. A ring would keep the old pages pinned, and I/O
+    # through it would reach them, not what a later mapping puts at the same address. The
+    # GIL is held throughout, so a queue seen open is not closed meanwhile; its mutex orders
+    # this against a reaper that finds the queue broken and destroys the ring.
+    cdef AioQueue q
+    rings = m._rings
+    m._rings = None
+    for ref in rings:
+        obj = ref()
+        if obj is None:
+            continue
+        q = <AioQueue>obj
+        if not q._ready or q._pid != getpid():
+            continue
+        pt.pthread_mutex_lock(&q.q.mu)
+        if q.q.uring != NULL:
+            ur.uring_unregister_buffer(q.q.uring, m._addr, m._mapped)
+        pt.pthread_mutex_unlock(&q.q.mu)
+
+
 def io_hold(registry, uint64_t address, uint64_t nbytes):
     """The front door's ``registry.io_hold(address, nbytes)``: ``(token or None, locked)``,
     found without running Python (tests compare the two)."""
@@ -3016,7 +3129,6 @@ cdef object _short(h, bint write, t, AioFile f, offset, int how, arg, list sink,
     cdef Request rq
     cdef ShortQueued sq
     cdef struct_stat st
-    cdef ssize_t got
     if _f_layout is None:
         _f_layout = _f_handle._short_layout
     if (type(offset) is not int or offset < 0 or offset > _OFF_MAX or f._handle is not h
@@ -3131,18 +3243,7 @@ cdef object _short(h, bint write, t, AioFile f, offset, int how, arg, list sink,
         return sq
     done = -1
     try:
-        if not write and not edges and n <= f.piece and (mode == M_DIRECT or mode == M_PLAIN):
-            # One piece, read and waited for by this thread: a queue adds nothing but its
-            # system calls (submit, then reap). A read that comes back whole is done; any
-            # other outcome (an error, short: a racing truncation) runs again through the
-            # queue, which says what happened (a read can be repeated).
-            with nogil:
-                got = pread(fd, <void*>addr, n, off)
-            if got == <ssize_t>n:
-                done = n
-        if done < 0:
-            done = q._run(fd, write, addr, n, off, mode, align, f.piece, f.state, False,
-                          f.name)
+        done = q._run(fd, write, addr, n, off, mode, align, f.piece, f.state, False, f.name)
     finally:
         # an error or an interruption (the queue drained the request first) is raised
         _short_done(h, f, hold, write, max(done, 0), done < 0)

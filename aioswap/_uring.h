@@ -98,6 +98,13 @@ static __attribute__((unused)) int uring_unregister_buffer(uring *u, void *addr,
     errno = ENOSYS;
     return -1;
 }
+static __attribute__((unused)) int uring_covers(uring *u, uint64_t addr, uint64_t len)
+{
+    (void)u; (void)addr; (void)len;
+    return 0;
+}
+static __attribute__((unused)) long uring_fixed_pieces(uring *u) { (void)u; return 0; }
+static __attribute__((unused)) int uring_registered(uring *u) { (void)u; return 0; }
 static __attribute__((unused)) void uring_destroy(uring *u) { (void)u; }
 static __attribute__((unused)) void uring_forget(uring *u) { (void)u; }
 #else
@@ -213,6 +220,7 @@ typedef struct uring {
     uring_reg_ reg[URING_SLOTS];
     uring_retry_ *retry;        /* reaper only: pieces re-queued for -EFAULT/-ECANCELED */
     int nretry;
+    long nfixed;                /* READ_FIXED/WRITE_FIXED SQEs filled (under mu) */
 } uring;
 
 static int uring_take_(int *counter)
@@ -409,6 +417,7 @@ static int uring_fill_(uring *u, struct io_uring_sqe *sqe, struct iocb *cb)
                 sqe->opcode = sqe->opcode == IORING_OP_READ ? IORING_OP_READ_FIXED
                                                             : IORING_OP_WRITE_FIXED;
                 sqe->buf_index = (uint16_t)u->reg[i].slot;
+                u->nfixed++;
                 break;
             }
         }
@@ -745,6 +754,36 @@ URING_API int uring_register_buffer(uring *u, void *addr, size_t len)
         return -1;
     }
     return 0;
+}
+
+/* Whether [addr, addr+len) lies inside one registered buffer. */
+URING_API int uring_covers(uring *u, uint64_t addr, uint64_t len)
+{
+    int i, hit = 0;
+    pthread_mutex_lock(&u->mu);
+    for (i = 0; i < u->nreg && !hit; i++)
+        hit = addr >= u->reg[i].start && addr + len <= u->reg[i].end;
+    pthread_mutex_unlock(&u->mu);
+    return hit;
+}
+
+/* READ_FIXED/WRITE_FIXED SQEs filled so far; buffers (pieces of at most 1 GiB) registered. */
+URING_API long uring_fixed_pieces(uring *u)
+{
+    long n;
+    pthread_mutex_lock(&u->mu);
+    n = u->nfixed;
+    pthread_mutex_unlock(&u->mu);
+    return n;
+}
+
+URING_API int uring_registered(uring *u)
+{
+    int n;
+    pthread_mutex_lock(&u->mu);
+    n = u->nreg;
+    pthread_mutex_unlock(&u->mu);
+    return n;
 }
 
 /* Drop the registrations that lie inside [addr, addr+len); I/O already in flight on them

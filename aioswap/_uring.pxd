@@ -2,6 +2,7 @@
 # Declarations of _uring.h (io_uring in the shape of io_submit/io_getevents); no logic.
 from aioswap cimport _aio_abi as abi
 from aioswap._pthread cimport timespec
+from libc.stdint cimport uint64_t
 
 
 cdef extern from "_uring.h" nogil:
@@ -21,6 +22,9 @@ cdef extern from "_uring.h" nogil:
                          const timespec* timeout)
     int uring_register_buffer(uring* u, void* addr, size_t len)
     int uring_unregister_buffer(uring* u, void* addr, size_t len)
+    int uring_covers(uring* u, uint64_t addr, uint64_t len)
+    long uring_fixed_pieces(uring* u)
+    int uring_registered(uring* u)
     void uring_destroy(uring* u)
     void uring_forget(uring* u)
     # IORING_SETUP_* flags reported by uring_setup; iocb flag: run in the submitting thread

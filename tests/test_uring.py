@@ -202,6 +202,12 @@ MEMLOCK_CHILD = textwrap.dedent("""
         assert t.numpy().tobytes() == data[5:]
         q = h._lanes[0].queue
         print("NOTE", q.fixed_ring, q.ring_note)
+        # page-locked memory (registered with the ring, or refused): byte-exact either way
+        p = aioswap.pinned.empty(256 << 10, torch.uint8, strict=False)
+        futs = [h.pread(p[i:i + 4096], path, 4096 + i, async_op=True)
+                for i in range(0, 256 << 10, 4096)]
+        assert [f.result() for f in futs] == [4096] * 64
+        assert p.numpy().tobytes() == data[4096:4096 + (256 << 10)]
 """)
 
 
@@ -301,3 +307,52 @@ def test_tmpfs_pieces_run_in_the_submitting_thread(how: str, tmp_dir: Path,
         assert "IOWQ 0" in r.stdout, r.stdout
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_page_locked_memory_goes_fixed_and_is_let_go(data_file: tuple[Path, bytes]) -> None:
+    """An allocation of the pinned registry is registered with the lane's ring on its first
+    direct piece (READ_FIXED/WRITE_FIXED from then on), and unregistered before its pages
+    are unmapped: memory mapped later at the same address is read into, not the old pages
+    the ring pinned (which a stale registration would fill, leaving the new memory zero)."""
+    path, data = data_file
+    n = 1 << 20
+    with aioswap.AioHandle(queue_depth=16, block_size=256 * KiB, backend="io_uring") as h:
+        q = h._lanes[0].queue
+        base = q.fixed_buffers                          # the bounce ring, once attached
+        addrs = []
+        for rnd in range(4):
+            p = aioswap.pinned.empty(n, torch.uint8)
+            assert aioswap.pinned.is_pinned(p)
+            addrs.append(p.data_ptr())
+            before = q.fixed_pieces
+            futs = [h.pread(p[i:i + 64 * KiB], path, rnd * 4096 + i, async_op=True)
+                    for i in range(0, n, 64 * KiB)]
+            assert sum(f.result(timeout=60) for f in futs) == n
+            assert p.numpy().tobytes() == data[rnd * 4096:rnd * 4096 + n]
+            assert q.fixed_pieces >= before + 16 and q.fixed_buffers == base + 1
+            # writes from it go WRITE_FIXED too, and a sync request through the queue
+            out = tmp = path.with_suffix(f".w{rnd}")
+            assert h.pwrite(p, out, 0, async_op=True).result(timeout=60) == n
+            assert out.read_bytes() == p.numpy().tobytes()
+            tmp.unlink()
+            del p, futs
+            assert q.fixed_buffers == base             # let go with its pages
+        # the same address came back at least once (else the stale-page case was not met)
+        assert len(set(addrs)) < len(addrs), addrs
+
+
+def test_page_locked_memory_registration_refused_is_plain(
+        data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    with aioswap.AioHandle(queue_depth=16, block_size=256 * KiB, backend="io_uring") as h:
+        q = h._lanes[0].queue
+        p = aioswap.pinned.empty(MiB, torch.uint8)
+        _aio._uring_inject(register_errno=errno.ENOMEM)
+        futs = [h.pread(p[i:i + 64 * KiB], path, i, async_op=True)
+                for i in range(0, MiB, 64 * KiB)]
+        assert sum(f.result(timeout=60) for f in futs) == MiB
+        assert p.numpy().tobytes() == data[:MiB]
+        assert q.fixed_pieces == 0                      # plain READ, and asked only once
+        _aio._uring_inject()
+        h.pread(p, path, 4096, async_op=True).result(timeout=60)
+        assert q.fixed_pieces == 0 and p.numpy().tobytes() == data[4096:4096 + MiB]
