@@ -2057,11 +2057,15 @@ cdef class AioQueue:
 
     cdef int _fix_at(self, uint64_t addr, uint64_t n) except -1:
         """io_uring: register the allocation of the page-locked registry that holds
-        ``[addr, addr + n)`` with this queue's ring, once, so its pieces go READ_FIXED/
-        WRITE_FIXED (the kernel pins the pages once instead of per piece). Allocations of
-        _FIX_MIN to _FIX_MAX bytes while the table has room; a refusal (ENOMEM under
-        RLIMIT_MEMLOCK) is said once, and that memory keeps plain READ/WRITE. The memory
-        (LockedMemory._unmap) unregisters itself from every ring before its pages go."""
+        ``[addr, addr + n)`` with this queue's ring once it is reused: when the direct
+        requests on it through this queue have moved more than its size. Its pieces then go
+        READ_FIXED/WRITE_FIXED (the kernel pins its pages once, not per piece); memory read or
+        written once (a state dict loaded into fresh tensors) is not registered, as that
+        would pin the same pages once more, in one system call under the queue's mutex.
+        Allocations of _FIX_MIN to _FIX_MAX bytes while the table has room; a refusal
+        (ENOMEM under RLIMIT_MEMLOCK) is said once, and that memory keeps plain READ/WRITE.
+        The memory (LockedMemory._unmap) unregisters itself from every ring before its pages
+        go."""
         cdef LockedMemory m
         cdef int rc = -1, e = 0
         if ur.uring_covers(self.q.uring, addr, n) or _f_pinned is None:
@@ -2077,10 +2081,19 @@ cdef class AioQueue:
             return 0
         if m._rings is None:
             m._rings = []
-        for ref in m._rings:
-            if ref() is self:
-                return 0                    # registered before, or refused
-        m._rings.append(PyWeakref_NewRef(self, None))
+        for use in m._rings:                # [weak reference to the queue, bytes moved]
+            if (<list>use)[0]() is self:
+                break
+        else:
+            m._rings.append([PyWeakref_NewRef(self, None), n])
+            return 0
+        moved = (<list>use)[1]
+        if moved < 0:
+            return 0                        # registered before, or refused
+        moved += n
+        (<list>use)[1] = moved if moved <= m._mapped else -1
+        if moved <= m._mapped:
+            return 0
         with nogil:
             pt.pthread_mutex_lock(&self.q.mu)
             if self.q.uring != NULL:
@@ -2878,8 +2891,8 @@ cdef void _forget_fixed(LockedMemory m) noexcept:
     cdef AioQueue q
     rings = m._rings
     m._rings = None
-    for ref in rings:
-        obj = ref()
+    for use in rings:
+        obj = (<list>use)[0]()
         if obj is None:
             continue
         q = <AioQueue>obj

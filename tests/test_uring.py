@@ -310,10 +310,11 @@ def test_tmpfs_pieces_run_in_the_submitting_thread(how: str, tmp_dir: Path,
 
 
 def test_page_locked_memory_goes_fixed_and_is_let_go(data_file: tuple[Path, bytes]) -> None:
-    """An allocation of the pinned registry is registered with the lane's ring on its first
-    direct piece (READ_FIXED/WRITE_FIXED from then on), and unregistered before its pages
-    are unmapped: memory mapped later at the same address is read into, not the old pages
-    the ring pinned (which a stale registration would fill, leaving the new memory zero)."""
+    """An allocation of the pinned registry that is reused (more than its size moved by
+    direct pieces through a lane) is registered with the lane's ring: READ_FIXED/WRITE_FIXED
+    from then on; memory used once is not. It is unregistered before its pages are unmapped:
+    memory mapped later at the same address is read into, not the old pages the ring pinned
+    (which a stale registration would fill, leaving the new memory as it was)."""
     path, data = data_file
     n = 1 << 20
     with aioswap.AioHandle(queue_depth=16, block_size=256 * KiB, backend="io_uring") as h:
@@ -324,17 +325,21 @@ def test_page_locked_memory_goes_fixed_and_is_let_go(data_file: tuple[Path, byte
             p = aioswap.pinned.empty(n, torch.uint8)
             assert aioswap.pinned.is_pinned(p)
             addrs.append(p.data_ptr())
-            before = q.fixed_pieces
             futs = [h.pread(p[i:i + 64 * KiB], path, rnd * 4096 + i, async_op=True)
                     for i in range(0, n, 64 * KiB)]
             assert sum(f.result(timeout=60) for f in futs) == n
             assert p.numpy().tobytes() == data[rnd * 4096:rnd * 4096 + n]
-            assert q.fixed_pieces >= before + 16 and q.fixed_buffers == base + 1
-            # writes from it go WRITE_FIXED too, and a sync request through the queue
-            out = tmp = path.with_suffix(f".w{rnd}")
+            assert q.fixed_buffers == base              # moved once: not registered
+            before = q.fixed_pieces
+            out = path.with_suffix(f".w{rnd}")          # moved twice: registered
             assert h.pwrite(p, out, 0, async_op=True).result(timeout=60) == n
-            assert out.read_bytes() == p.numpy().tobytes()
-            tmp.unlink()
+            assert out.read_bytes() == data[rnd * 4096:rnd * 4096 + n]
+            out.unlink()
+            assert q.fixed_buffers == base + 1 and q.fixed_pieces >= before + 4
+            before = q.fixed_pieces
+            assert h.pread(p, path, 8192, async_op=True).result(timeout=60) == n
+            assert p.numpy().tobytes() == data[8192:8192 + n]
+            assert q.fixed_pieces >= before + 4
             del p, futs
             assert q.fixed_buffers == base             # let go with its pages
         # the same address came back at least once (else the stale-page case was not met)
@@ -348,11 +353,12 @@ def test_page_locked_memory_registration_refused_is_plain(
         q = h._lanes[0].queue
         p = aioswap.pinned.empty(MiB, torch.uint8)
         _aio._uring_inject(register_errno=errno.ENOMEM)
-        futs = [h.pread(p[i:i + 64 * KiB], path, i, async_op=True)
-                for i in range(0, MiB, 64 * KiB)]
-        assert sum(f.result(timeout=60) for f in futs) == MiB
-        assert p.numpy().tobytes() == data[:MiB]
-        assert q.fixed_pieces == 0                      # plain READ, and asked only once
+        for rnd in range(2):                            # the second pass asks, and is refused
+            futs = [h.pread(p[i:i + 64 * KiB], path, rnd * 4096 + i, async_op=True)
+                    for i in range(0, MiB, 64 * KiB)]
+            assert sum(f.result(timeout=60) for f in futs) == MiB
+            assert p.numpy().tobytes() == data[rnd * 4096:rnd * 4096 + MiB]
+        assert q.fixed_pieces == 0                      # plain READ
         _aio._uring_inject()
         h.pread(p, path, 4096, async_op=True).result(timeout=60)
         assert q.fixed_pieces == 0 and p.numpy().tobytes() == data[4096:4096 + MiB]
