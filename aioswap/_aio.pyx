@@ -2043,17 +2043,21 @@ cdef class AioQueue:
     def fixed_pieces(self):
         """Pieces that went to io_uring as ``READ_FIXED``/``WRITE_FIXED`` so far (0 on the
         other backends)."""
-        if not self._ready or self.q.uring == NULL:
-            return 0
-        return ur.uring_fixed_pieces(self.q.uring)
+        cdef long pieces = 0
+        cdef int buffers = 0
+        if self._ready and self.q.uring != NULL:
+            ur.uring_counts(self.q.uring, &pieces, &buffers)
+        return pieces
 
     @property
     def fixed_buffers(self):
         """Buffers registered with this queue's io_uring: the bounce ring and page-locked
         allocations (a piece of at most 1 GiB each)."""
-        if not self._ready or self.q.uring == NULL:
-            return 0
-        return ur.uring_registered(self.q.uring)
+        cdef long pieces = 0
+        cdef int buffers = 0
+        if self._ready and self.q.uring != NULL:
+            ur.uring_counts(self.q.uring, &pieces, &buffers)
+        return buffers
 
     cdef int _fix_at(self, uint64_t addr, uint64_t n) except -1:
         """io_uring: register the allocation of the page-locked registry that holds

@@ -103,8 +103,12 @@ static __attribute__((unused)) int uring_covers(uring *u, uint64_t addr, uint64_
     (void)u; (void)addr; (void)len;
     return 0;
 }
-static __attribute__((unused)) long uring_fixed_pieces(uring *u) { (void)u; return 0; }
-static __attribute__((unused)) int uring_registered(uring *u) { (void)u; return 0; }
+static __attribute__((unused)) void uring_counts(uring *u, long *fixed_pieces, int *registered)
+{
+    (void)u;
+    *fixed_pieces = 0;
+    *registered = 0;
+}
 static __attribute__((unused)) void uring_destroy(uring *u) { (void)u; }
 static __attribute__((unused)) void uring_forget(uring *u) { (void)u; }
 #else
@@ -767,23 +771,14 @@ URING_API int uring_covers(uring *u, uint64_t addr, uint64_t len)
     return hit;
 }
 
-/* READ_FIXED/WRITE_FIXED SQEs filled so far; buffers (pieces of at most 1 GiB) registered. */
-URING_API long uring_fixed_pieces(uring *u)
+/* READ_FIXED/WRITE_FIXED SQEs filled so far, and buffers (pieces of at most 1 GiB) registered
+ * now. */
+URING_API void uring_counts(uring *u, long *fixed_pieces, int *registered)
 {
-    long n;
     pthread_mutex_lock(&u->mu);
-    n = u->nfixed;
+    *fixed_pieces = u->nfixed;
+    *registered = u->nreg;
     pthread_mutex_unlock(&u->mu);
-    return n;
-}
-
-URING_API int uring_registered(uring *u)
-{
-    int n;
-    pthread_mutex_lock(&u->mu);
-    n = u->nreg;
-    pthread_mutex_unlock(&u->mu);
-    return n;
 }
 
 /* Drop the registrations that lie inside [addr, addr+len); I/O already in flight on them

@@ -23,8 +23,7 @@ cdef extern from "_uring.h" nogil:
     int uring_register_buffer(uring* u, void* addr, size_t len)
     int uring_unregister_buffer(uring* u, void* addr, size_t len)
     int uring_covers(uring* u, uint64_t addr, uint64_t len)
-    long uring_fixed_pieces(uring* u)
-    int uring_registered(uring* u)
+    void uring_counts(uring* u, long* fixed_pieces, int* registered)
     void uring_destroy(uring* u)
     void uring_forget(uring* u)
     # IORING_SETUP_* flags reported by uring_setup; iocb flag: run in the submitting thread
