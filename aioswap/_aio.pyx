@@ -2817,14 +2817,29 @@ def front_setup(handle_module, pinned_module):
     _f_types = handle_module._short_types
 
 
+cdef object _snap_find(tuple snap, uint64_t addr, uint64_t n):
+    # the record of the range in a RangeIndex snapshot ((starts), (ends), (records)) that
+    # holds [addr, addr + n) (n > 0, no overflow), or None
+    cdef Py_ssize_t lo = 0, hi, mid
+    cdef tuple starts = <tuple>snap[0]
+    hi = len(starts)
+    while lo < hi:                          # bisect_right(starts, addr)
+        mid = (lo + hi) >> 1
+        if addr < <uint64_t>starts[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo == 0 or addr + n > <uint64_t>(<tuple>snap[1])[lo - 1]:
+        return None
+    return (<tuple>snap[2])[lo - 1]
+
+
 cdef object _io_hold(object registry, uint64_t addr, uint64_t n, bint* locked):
     """``registry.io_hold(addr, n)`` without running Python: the same answer, by bisecting
     the registry's immutable snapshot of locked host ranges (its RangeIndex's ``_snap``)
     here. The snapshot is rebuilt by Python on the first look-up after a change (then this
     asks ``io_hold`` itself). Returns the hold token or None; ``locked[0]``: whether all of
     ``[addr, addr + n)`` is page-locked."""
-    cdef Py_ssize_t lo = 0, hi, mid
-    cdef tuple starts, ends
     locked[0] = False
     if n == 0 or addr + n < addr:           # empty, or past the top of the address space
         return None
@@ -2833,20 +2848,9 @@ cdef object _io_hold(object registry, uint64_t addr, uint64_t n, bint* locked):
         hold, lk = registry.io_hold(addr, n)
         locked[0] = bool(lk)
         return hold
-    starts = <tuple>(<tuple>snap)[0]
-    hi = len(starts)
-    while lo < hi:                          # bisect_right(starts, addr)
-        mid = (lo + hi) >> 1
-        if addr < <uint64_t>starts[mid]:
-            hi = mid
-        else:
-            lo = mid + 1
-    if lo == 0:
+    rec = _snap_find(<tuple>snap, addr, n)
+    if rec is None:
         return None
-    ends = <tuple>(<tuple>snap)[1]
-    if addr + n > <uint64_t>ends[lo - 1]:
-        return None
-    rec = (<tuple>(<tuple>snap)[2])[lo - 1]
     kind = rec.kind
     if kind is not _f_allocated and kind != _f_allocated:
         locked[0] = True                    # registered elsewhere: nothing to hold
@@ -2866,24 +2870,12 @@ cdef object _io_hold(object registry, uint64_t addr, uint64_t n, bint* locked):
 cdef object _rec_at(object registry, uint64_t addr, uint64_t n):
     # the registry's record of the locked host range holding [addr, addr + n), or None (none,
     # or no snapshot now: this is only a hint)
-    cdef Py_ssize_t lo = 0, hi, mid
-    cdef tuple starts
     if n == 0 or addr + n < addr:
         return None
     snap = registry._host._snap
     if type(snap) is not tuple:
         return None
-    starts = <tuple>(<tuple>snap)[0]
-    hi = len(starts)
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if addr < <uint64_t>starts[mid]:
-            hi = mid
-        else:
-            lo = mid + 1
-    if lo == 0 or addr + n > <uint64_t>(<tuple>(<tuple>snap)[1])[lo - 1]:
-        return None
-    return (<tuple>(<tuple>snap)[2])[lo - 1]
+    return _snap_find(<tuple>snap, addr, n)
 
 
 cdef void _forget_fixed(LockedMemory m) noexcept:
