@@ -1601,10 +1601,11 @@ cdef int _serve(_Q* q, _Req** out) noexcept nogil:
         if not q.reaping and q.nasync > 0 and not q.broken and not q.helpers:
             if not q.eager and not q.closing:
                 quiet = q.last_async + _BURST_GAP_S - _mono()
-                if quiet > 0:
+                if quiet > 0 and not (q.pend_head != NULL and q.inflight >= q.depth):
                     # its caller is still queueing a burst (and submitting it): it may wait
                     # for it next and reap it itself, so stand by until the burst is over
-                    # (a tick, when its callers are known to do that)
+                    # (a tick, when its callers are known to do that); but not while the
+                    # kernel queue is full and requests wait for room: only a reap makes it
                     ns = <long>((_HELPED_TICK_S if q.helped else quiet) * 1e9)
                     if ns < 5000:
                         ns = 5000
