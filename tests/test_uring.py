@@ -271,7 +271,8 @@ def test_tmpfs_pieces_run_in_the_submitting_thread(how: str, tmp_dir: Path,
         path.write_bytes(data)
         with aioswap.AioHandle(queue_depth=16, block_size=64 * KiB, backend="io_uring") as h:
             with h.open(path, "r+") as f:
-                assert f.state.inline and f.direct == (how != "buffered")
+                # (tmpfs takes O_DIRECT from Linux 6.6; before, the file is buffered)
+                assert f.state.inline and not (how == "buffered" and f.direct)
             other = tmp_dir / "disk.bin"
             other.write_bytes(b"x" * 4096)
             with h.open(other, "r") as f:
