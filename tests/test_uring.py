@@ -24,6 +24,7 @@ import torch
 import aioswap
 from aioswap import _aio
 from aioswap._aio import MODE_BOUNCE, MODE_DIRECT, AioQueue, LockedMemory, open_direct
+from aioswap.cli import _fs_type
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -242,18 +243,7 @@ def test_io_uring_by_default_and_when_asked_for(monkeypatch: pytest.MonkeyPatch)
     assert _aio.backends_available()["io_uring"] == (True, "")
 
 
-def _on_tmpfs(path: str) -> bool:
-    try:
-        with open("/proc/self/mounts") as f:
-            mounts = [line.split() for line in f]
-    except OSError:
-        return False
-    best = max((m for m in mounts if path == m[1] or path.startswith(m[1].rstrip("/") + "/")),
-               key=lambda m: len(m[1]), default=None)
-    return best is not None and best[2] == "tmpfs"
-
-
-@pytest.mark.skipif(not _on_tmpfs("/dev/shm"), reason="/dev/shm is not tmpfs here")
+@pytest.mark.skipif(_fs_type("/dev/shm") != "tmpfs", reason="/dev/shm is not tmpfs here")
 @pytest.mark.parametrize("how", ["direct", "buffered", "cqe_short", "cqe_eagain"])
 def test_tmpfs_pieces_run_in_the_submitting_thread(how: str, tmp_dir: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -276,7 +266,7 @@ def test_tmpfs_pieces_run_in_the_submitting_thread(how: str, tmp_dir: Path,
             other = tmp_dir / "disk.bin"
             other.write_bytes(b"x" * 4096)
             with h.open(other, "r") as f:
-                assert f.state.inline == _on_tmpfs(str(other.resolve()))
+                assert f.state.inline == (_fs_type(str(other)) == "tmpfs")
             if how.startswith("cqe_"):
                 _aio._uring_inject(**{how: 100})
             _round_trip(h, path, data)
