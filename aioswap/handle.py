@@ -806,30 +806,7 @@ class AioHandle:
         # between a submission and the append to `queued`
         subs: list[_aio.Request] = []
         try:
-            for item in requests:
-                buf, file, *rest = item
-                off = rest[0] if rest else 0
-                if type(buf) in _short_types and type(off) is int and off >= 0:
-                    f = self._short_file(file, write)
-                    try:
-                        sq = (_SLOW if f is None
-                              else self._short(write, buf, f, off, 2, file, subs))
-                    finally:
-                        if f is not None and f is not file:
-                            f.unuse()
-                    if sq is not _SLOW:
-                        assert isinstance(sq, _ShortQueued)
-                        queued.append(sq)
-                        continue
-                req = self._prepare(write, buf, file, rest[0] if rest else 0, None, False)
-                if self._is_one(req):
-                    try:
-                        queued.append(self._queue_one(req, True, None, subs))
-                    except BaseException:
-                        self._release(req)
-                        raise
-                else:
-                    queued.append(req)          # runs in turn below
+            _aio.many_queue(self, write, requests, queued, subs)
         except Exception:
             # a bad item: what was queued before it is valid and runs to the end
             self._abandon(queued, cancel=False)
@@ -841,36 +818,37 @@ class AioHandle:
             known = {id(q.rq) for q in queued if not isinstance(q, _Request)}
             _drain([rq for rq in subs if id(rq) not in known])
             raise
-        out: list[int] = []
-        first: BaseException | None = None
-        for i, q in enumerate(queued):
-            if isinstance(q, _ShortQueued):
-                try:
-                    out.append(self._short_finish(q))
-                except (OSError, ValueError, EOFError) as exc:
-                    out.append(0)
-                    if first is None:
-                        first = exc
-                except BaseException:
-                    self._abandon(queued[i + 1:])
-                    raise
-                continue
-            req = q.req if isinstance(q, _Queued) else q
-            try:
-                out.append(self._finish_one(q) if isinstance(q, _Queued)
-                           else self._run_sync(q))
-            except (OSError, ValueError, EOFError) as exc:
-                out.append(0)
-                if first is None:
-                    first = exc
-            except BaseException:
-                self._release(req)
-                self._abandon(queued[i + 1:])
-                raise
-            self._release(req)
+        out, first = _aio.many_finish(self, queued)
         if first is not None:
             raise first
         return out
+
+    @staticmethod
+    def _many_unpack(item: Sequence[Any]) -> tuple[Any, Any, Any]:
+        """``(buffer, file[, offset])`` of one batch item (a tuple of 2 or 3 is unpacked in C)."""
+        buf, file, *rest = item
+        return buf, file, rest[0] if rest else 0
+
+    def _many_slow(self, write: bool, buf: Any, file: FileArg, offset: Any,
+                   subs: list[_aio.Request]) -> _Queued | _Request:
+        """A batch item the short path does not take: queued now when it is one slice,
+        else validated and run in turn by :meth:`_many_finish_slow`."""
+        req = self._prepare(write, buf, file, offset, None, False)
+        if not self._is_one(req):
+            return req
+        try:
+            return self._queue_one(req, True, None, subs)
+        except BaseException:
+            self._release(req)
+            raise
+
+    def _many_finish_slow(self, q: _Queued | _Request) -> int:
+        """Finish (or run) a batch item from :meth:`_many_slow`; its bytes moved."""
+        req = q.req if isinstance(q, _Queued) else q
+        try:
+            return self._finish_one(q) if isinstance(q, _Queued) else self._run_sync(q)
+        finally:
+            self._release(req)
 
     def _abandon(self, queued: Sequence[_Queued | _ShortQueued | _Request],
                  cancel: bool = True) -> None:

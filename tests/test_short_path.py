@@ -342,6 +342,33 @@ def test_pread_many_mixes_short_and_general_requests(tmp_dir, no_general):
         no_general.clear()
 
 
+def test_batch_items_of_every_shape(tmp_dir, no_general):
+    """A batch item is any sequence ``(buffer, file[, offset])``: tuples of two or three
+    (unpacked in C), lists, and items mixing paths, fds and open files, byte-exact; an item
+    that is not one is refused, naming the problem, after the queued ones finished."""
+    path = _file(tmp_dir / "shapes.bin", _rand(MiB, 12))
+    data = path.read_bytes()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with AioHandle() as h, h.open(path, "r") as f:
+            ts = [torch.empty(4 * KiB + 3 * i, dtype=torch.uint8) for i in range(8)]
+            items = [(ts[0], f), [ts[1], f, 5], (ts[2], str(path), 4 * KiB), [ts[3], fd, 777],
+                     (ts[4], path, 12345), (ts[5], fd), [ts[6], f], (ts[7], f, MiB - ts[7].nbytes)]
+            offs = [0, 5, 4 * KiB, 777, 12345, 0, 0, MiB - ts[7].nbytes]
+            assert h.pread_many(items) == [t.nbytes for t in ts]
+            for t, off in zip(ts, offs):
+                assert t.numpy().tobytes() == data[off:off + t.nbytes]
+            before = h.stats.reads
+            with pytest.raises(ValueError, match="not enough values"):
+                h.pread_many([(ts[0], f, 64), (ts[1],)])
+            assert ts[0].numpy().tobytes() == data[64:64 + ts[0].nbytes]
+            assert h.stats.reads == before + 1      # the first item ran to its end
+            assert h._core.active == 0 and f._users == 0
+        assert not no_general
+    finally:
+        os.close(fd)
+
+
 def test_short_path_refuses_a_forked_child(tmp_dir):
     path = _file(tmp_dir / "fork.bin", _rand(8 * KiB, 11))
     code = textwrap.dedent("""
