@@ -2938,7 +2938,7 @@ cdef int _unhold_all(object registry, list holds) except -1:
 
 
 def request(h, bint write, buffer, file, offset, nbytes, bint async_op, bint fsync):
-    """``AioHandle.pread``/``pwrite``: the short path where it applies (see :func:`short`),
+    """``AioHandle.pread``/``pwrite``: the short path where it applies (see ``_short``),
     else the handle's general path (``AioHandle._request``)."""
     return _request(h, write, buffer, file, offset, nbytes, async_op, fsync)
 
@@ -3122,16 +3122,14 @@ def plan(f, uint64_t address, uint64_t n, int64_t offset, locked):
     return mode, edges, middle
 
 
-def short(h, bint write, t, AioFile f not None, offset, int how, arg, list sink=None):
-    """The short path of one request (see ``AioHandle._short``): ``how`` 0 runs it and
-    returns the bytes moved, 1 returns its future, 2 queues it and returns a
-    :class:`ShortQueued`; ``SLOW`` for anything else."""
-    return _short(h, write, t, f, offset, how, arg, sink, -1)
-
-
 cdef object _short(h, bint write, t, AioFile f, offset, int how, arg, list sink,
                    int64_t known):
-    # short; known: the file's size by a stat of this request (cached_hit), else -1
+    # The short path of the common request: a plain contiguous CPU tensor, whole, on a file
+    # this handle opened, in one lane's queue; the same checks and accounting as the general
+    # path, with the handle and the file counted under one lock. ``how`` 0 runs it and
+    # returns the bytes moved, 1 returns its future, 2 queues it and returns a ShortQueued
+    # (for short_finish); _f_slow for anything else (the general path then also raises every
+    # error). known: the file's size by a stat of this request (cached_hit), else -1.
     global _f_layout
     cdef int64_t off
     cdef uint64_t n, addr, align, edges, middle

@@ -62,7 +62,7 @@ _log = logging.getLogger("aioswap")
 _RUNNING = concurrent.futures._base.RUNNING
 _FINISHED = concurrent.futures._base.FINISHED
 _cond_lock = threading.Lock()       # IOFuture: making a future's Condition, or finishing it
-_SLOW = object()            # _short(): this request takes the general path
+_SLOW = object()            # _aio._short(): this request takes the general path
 _MAX_FILES = 64             # files a handle keeps open for path and fd arguments
 # Buffer types the short path takes (torch.Tensor and nn.Parameter, once torch is in use)
 # and torch.strided; filled by the first tensor request (aioswap never imports torch itself).
@@ -1047,20 +1047,6 @@ class AioHandle:
         if tf is int or tf is str or tf is bytes or isinstance(file, os.PathLike):
             return self._cached(file, write)    # type: ignore[arg-type]
         return None
-
-    def _short(self, write: bool, t: Any, f: AioFile, offset: Any,
-               how: int, arg: FileArg, sink: list[_aio.Request] | None = None
-               ) -> int | IOFuture | _aio.ShortQueued | object:
-        """The short path of the common request: a plain contiguous CPU tensor, whole, on a
-        file this handle opened, in one lane's queue.
-
-        The same checks and accounting as the general path, compiled (:func:`_aio.short`),
-        with the handle and the file counted under one lock, and a sync request as one
-        :meth:`AioQueue.run`. ``how``: 0 runs it, 1 returns its future, 2 queues it and
-        returns a :class:`_aio.ShortQueued` for :meth:`_short_finish`. Returns ``_SLOW`` for
-        anything else (the general path then also raises every error).
-        """
-        return _aio.short(self, write, t, f, offset, how, arg, sink)
 
     def _short_finish(self, q: _aio.ShortQueued, drain: bool = False) -> int:
         """Reap a queued short-path request (``drain``: without looking at signals)."""
