@@ -1536,6 +1536,12 @@ cdef void _reap_round(_Q* q, long ns) noexcept nogil:
     _wake(q)
 
 
+cdef inline bint _starved(_Q* q) noexcept nogil:
+    # requests wait for room in a full kernel queue, or pieces for the kernel to take them
+    # again (EAGAIN): only a reap round sends them (read without q.mu: a hint)
+    return q.nretry > 0 or (q.pend_head != NULL and q.inflight >= q.depth)
+
+
 cdef int _wait_req(_Q* q, _Req* r, double budget) noexcept nogil:
     """Drive or wait until ``r`` is finished: 0, or 1 when ``budget`` seconds passed."""
     cdef double deadline = _mono() + budget
@@ -1605,11 +1611,12 @@ cdef int _serve(_Q* q, _Req** out) noexcept nogil:
         if not q.reaping and q.nasync > 0 and not q.broken and not q.helpers:
             if not q.eager and not q.closing:
                 quiet = q.last_async + _BURST_GAP_S - _mono()
-                if quiet > 0 and not (q.pend_head != NULL and q.inflight >= q.depth):
+                if quiet > 0:
                     # its caller is still queueing a burst (and submitting it): it may wait
                     # for it next and reap it itself, so stand by until the burst is over
-                    # (a tick, when its callers are known to do that); but not while the
-                    # kernel queue is full and requests wait for room: only a reap makes it
+                    # (a tick, when its callers are known to do that). While the kernel
+                    # queue is full and requests wait for room, the caller reaps as it
+                    # queues (AioQueue._submit): two reapers only fought over the role
                     ns = <long>((_HELPED_TICK_S if q.helped else quiet) * 1e9)
                     if ns < 5000:
                         ns = 5000
@@ -1664,11 +1671,8 @@ cdef int _help(_Q* q, _Req** out, double budget) noexcept nogil:
         else:
             _timedwait(q, ns)
     q.helpers -= 1
-    if q.nasync or q.done_head != NULL or q.closing:
-        _wake(q)                            # the completion thread takes over again
-    elif q.waiters:
-        pt.pthread_cond_broadcast(&q.cv)
-    pt.pthread_mutex_unlock(&q.mu)
+    _wake(q)                                # the completion thread takes over again, if it
+    pt.pthread_mutex_unlock(&q.mu)          # has anything to do
     return rc
 
 
@@ -2310,6 +2314,15 @@ cdef class AioQueue:
             # wake, and its first request ran alone until the thread came back from the
             # kernel: 4 KiB bursts of 32 ran at 0.6x the batch call, against 0.7-0.9x now.
             _feed(q)
+            if not sync and _starved(q):
+                # The kernel queue is full and requests wait for room: only a reap lets them
+                # go. A caller queueing back to back keeps the completion thread standing
+                # by, or waiting for the GIL (this thread's) to deliver; so this thread
+                # reaps what has finished, without waiting, and sends the next ones.
+                pt.pthread_mutex_lock(&q.mu)
+                if _starved(q) and not q.reaping and not q.broken:
+                    _reap_round(q, 0)
+                pt.pthread_mutex_unlock(&q.mu)
         if sink is not None:
             sink.append(req)
         return req
