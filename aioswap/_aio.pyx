@@ -2958,31 +2958,36 @@ def request(h, bint write, buffer, file, offset, nbytes, bint async_op, bint fsy
 
 cdef object _request(h, bint write, buffer, file, offset, nbytes, bint async_op, bint fsync):
     # request(); AioFile.pread/pwrite call it directly (no Python call in between)
-    cdef int64_t size = -1
     if (nbytes is None and not fsync and type(buffer) in _f_types and type(offset) is int
             and offset >= 0):
-        if type(file) is AioFile:
-            f = file
-        else:
-            # the handle's file in one C call (its stat gives the size a read checks); on a
-            # miss (its first use: an open follows) _short_file asks once more, then opens
-            # it or refuses the argument
-            f = None
-            if not (<HandleCore>h._core).closed and h._generation == _f_gen[0]:
-                f = _cached_hit(h, file, write, &size)
-            if f is None:
-                f = h._short_file(file, write)
-                size = -1
-        if f is not None:
-            try:
-                out = _short(h, write, buffer, <AioFile>f, offset, 1 if async_op else 0, file,
-                             None, size)
-            finally:
-                if f is not file:
-                    (<AioFile>f).release()  # the request counted itself on the file
-            if out is not _f_slow:
-                return out
+        out = _short_on(h, write, buffer, file, offset, 1 if async_op else 0, None)
+        if out is not _f_slow:
+            return out
     return h._request(write, buffer, file, offset, nbytes, async_op, fsync)
+
+
+cdef object _short_on(h, bint write, buffer, file, offset, int how, list sink):
+    # _short on the file behind ``file``: an AioFile as it is, else the handle's own file in
+    # one C call (its stat gives the size a read checks); on a miss (its first use: an open
+    # follows) _short_file asks once more, then opens it or refuses the argument. _f_slow
+    # where the general path decides.
+    cdef int64_t size = -1
+    if type(file) is AioFile:
+        f = file
+    else:
+        f = None
+        if not (<HandleCore>h._core).closed and h._generation == _f_gen[0]:
+            f = _cached_hit(h, file, write, &size)
+        if f is None:
+            f = h._short_file(file, write)
+            size = -1
+    if f is None:
+        return _f_slow
+    try:
+        return _short(h, write, buffer, <AioFile>f, offset, how, file, sink, size)
+    finally:
+        if f is not file:
+            (<AioFile>f).release()          # the request counted itself on the file
 
 
 def init_future(fut, op, file, nbytes, offset):
@@ -3305,10 +3310,8 @@ def many_queue(h, bint write, requests, list queued, list subs):
     every ``(buffer, file[, offset])`` of ``requests`` queued in turn, each appended to
     ``queued`` as soon as it is queued (a :class:`ShortQueued` on the short path, else what
     ``h._many_slow`` made of it), so the caller can finish or abandon them if this raises."""
-    cdef int64_t size
     cdef Py_ssize_t k
     slow = h._many_slow
-    core = <HandleCore>h._core
     for item in requests:
         if type(item) is tuple and 2 <= len(<tuple>item) <= 3:
             k = len(<tuple>item)
@@ -3318,25 +3321,10 @@ def many_queue(h, bint write, requests, list queued, list subs):
         else:
             buf, file, off = h._many_unpack(item)
         if type(buf) in _f_types and type(off) is int and off >= 0:
-            size = -1
-            if type(file) is AioFile:
-                f = file
-            else:
-                f = None
-                if not core.closed and h._generation == _f_gen[0]:
-                    f = _cached_hit(h, file, write, &size)
-                if f is None:
-                    f = h._short_file(file, write)
-                    size = -1
-            if f is not None:
-                try:
-                    sq = _short(h, write, buf, <AioFile>f, off, 2, file, subs, size)
-                finally:
-                    if f is not file:
-                        (<AioFile>f).release()
-                if sq is not _f_slow:
-                    queued.append(sq)
-                    continue
+            sq = _short_on(h, write, buf, file, off, 2, subs)
+            if sq is not _f_slow:
+                queued.append(sq)
+                continue
         queued.append(slow(write, buf, file, off, subs))
 
 
