@@ -109,8 +109,15 @@ class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
     # that ends before anybody used it just records its result (_finish). Creating it and
     # that check happen under one lock, so a waiter always finds the result or is woken.
 
-    _cond: threading.Condition | None
-    _generation: int
+    # Future.__init__'s fields, as class defaults (see _aio.init_future): an instance gets
+    # its own when it finishes, or when a waiter or a callback is added
+    _cond: threading.Condition | None = None
+    _state = _RUNNING
+    _result: Any = None
+    _exception: BaseException | None = None
+    _generation = 0             # the fork generation it was made in (0: the first process)
+    _waiter_list: list[Any] | None = None
+    _callback_list: list[Any] | None = None
     op: str
     file: FileArg
     nbytes: int
@@ -130,6 +137,28 @@ class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
                 if c is None:
                     c = self._cond = threading.Condition()
         return c
+
+    @property
+    def _waiters(self) -> list[Any]:
+        w = self._waiter_list
+        if w is None:
+            w = self._waiter_list = []
+        return w
+
+    @_waiters.setter
+    def _waiters(self, value: list[Any]) -> None:
+        self._waiter_list = value
+
+    @property
+    def _done_callbacks(self) -> list[Any]:
+        c = self._callback_list
+        if c is None:
+            c = self._callback_list = []
+        return c
+
+    @_done_callbacks.setter
+    def _done_callbacks(self, value: list[Any]) -> None:
+        self._callback_list = value
 
     # the lane queue (short-path requests): its hurry() gets a thread blocked in result()
     # the request at once, and with its help() that thread reaps and delivers while it waits

@@ -296,6 +296,43 @@ def test_futures_carry_errors_and_callbacks(tmp_path):
         assert h.wait() == 1
 
 
+def test_futures_nobody_looks_at_hold_no_lists_and_the_used_ones_work(tmp_path):
+    """A future starts with Future.__init__'s fields as class defaults (no waiter or
+    callback list, no Condition, so a burst of them gives the cyclic collector little to
+    track); each is made on first use. Futures used every way still finish byte-exact,
+    each with its own lists; the engine's requests are not tracked by the collector."""
+    import concurrent.futures as cf
+    KiB = 1 << 10
+    data = os.urandom(64 * KiB)
+    p = tmp_path / "lazy.bin"
+    p.write_bytes(data)
+    with aioswap.AioHandle(queue_depth=4) as h, h.open(p, "r") as f:
+        f.pread(torch.empty(4, dtype=torch.uint8), 0)   # the short path learns torch's types
+        bufs = [torch.empty(4 * KiB, dtype=torch.uint8) for _ in range(16)]
+        futs = [f.pread(b, i * 4 * KiB, async_op=True) for i, b in enumerate(bufs)]
+        plain = futs[0]
+        assert plain._waiter_list is None and plain._callback_list is None
+        assert plain._cond is None and "_result" not in vars(plain)
+        got = []
+        futs[1].add_done_callback(lambda fu: got.append(fu.result()))
+        done, _ = cf.wait(futs[2:6], return_when=cf.FIRST_COMPLETED, timeout=30)
+        assert done
+        assert [x.result() for x in cf.as_completed(futs[6:10], timeout=30)] == [4 * KiB] * 4
+
+        async def one():
+            return await asyncio.wrap_future(futs[10])
+        assert asyncio.run(one()) == 4 * KiB
+        assert h.wait() == 16
+        assert got == [4 * KiB] and futs[1]._callback_list is not futs[2]._callback_list
+        assert futs[2]._waiter_list is not None
+        assert futs[2]._waiter_list is not futs[6]._waiter_list
+        for i, b in enumerate(bufs):
+            assert b.numpy().tobytes() == data[i * 4 * KiB:(i + 1) * 4 * KiB]
+        assert plain._waiter_list is None and plain.result() == 4 * KiB
+        assert repr(plain).startswith("<IOFuture") and "finished" in repr(plain)
+    assert not aioswap._aio.Request.__flags__ & (1 << 14)    # Py_TPFLAGS_HAVE_GC
+
+
 def test_wait_raises_first_error_after_all_finish(tmp_path):
     """A request's error fails that request only; wait() raises it after all finished."""
     code = f"""
