@@ -2816,7 +2816,6 @@ cdef object _f_future = None        # handle.IOFuture
 cdef object _f_layout = None        # torch.strided, once a tensor request was seen
 cdef object _f_cond_lock = None     # handle._cond_lock
 cdef object _f_finished = None      # concurrent.futures' FINISHED
-cdef object _f_running = None       # and RUNNING
 cdef object _f_allocated = None     # pinned._ALLOCATED: a record whose memory a request holds
 cdef list _f_gen = None             # handle._fork_generation
 cdef set _f_types = None            # handle._short_types (filled once torch is in use)
@@ -2827,7 +2826,7 @@ _log = logging.getLogger("aioswap")
 def front_setup(handle_module, pinned_module):
     """Called once by :mod:`aioswap.handle` at import: the names the front door uses."""
     global _f_slow, _f_handle, _f_pinned, _f_future, _f_cond_lock, _f_finished, _f_gen
-    global _f_types, _f_running, _f_allocated
+    global _f_types, _f_allocated
     _f_handle = handle_module
     _f_pinned = pinned_module
     _f_allocated = pinned_module._ALLOCATED
@@ -2835,7 +2834,6 @@ def front_setup(handle_module, pinned_module):
     _f_future = handle_module.IOFuture
     _f_cond_lock = handle_module._cond_lock
     _f_finished = handle_module._FINISHED
-    _f_running = handle_module._RUNNING
     _f_gen = handle_module._fork_generation
     _f_types = handle_module._short_types
 
