@@ -3307,21 +3307,32 @@ def short_finish(h, ShortQueued sq, bint drain=False):
     return done
 
 
+cdef inline tuple _batch_item(h, item):
+    # (buffer, file, offset) of one batch item: a tuple of two or three here, anything else
+    # by Python's unpacking (its errors)
+    if type(item) is tuple and 2 <= len(<tuple>item) <= 3:
+        if len(<tuple>item) == 2:
+            return ((<tuple>item)[0], (<tuple>item)[1], 0)
+        return <tuple>item
+    return h._many_unpack(item)
+
+
+def many_async(h, bint write, requests, list futs):
+    """``pread_many``/``pwrite_many`` with ``async_op=True``: each item's request submitted,
+    its future appended to ``futs`` (the caller waits for those if this raises)."""
+    for item in requests:
+        buf, file, off = _batch_item(h, item)
+        futs.append(_request(h, write, buf, file, off, None, True, False))
+
+
 def many_queue(h, bint write, requests, list queued, list subs):
     """The queueing half of a sync ``pread_many``/``pwrite_many`` (``AioHandle._many``):
     every ``(buffer, file[, offset])`` of ``requests`` queued in turn, each appended to
     ``queued`` as soon as it is queued (a :class:`ShortQueued` on the short path, else what
     ``h._many_slow`` made of it), so the caller can finish or abandon them if this raises."""
-    cdef Py_ssize_t k
     slow = h._many_slow
     for item in requests:
-        if type(item) is tuple and 2 <= len(<tuple>item) <= 3:
-            k = len(<tuple>item)
-            buf = (<tuple>item)[0]
-            file = (<tuple>item)[1]
-            off = (<tuple>item)[2] if k == 3 else 0
-        else:
-            buf, file, off = h._many_unpack(item)
+        buf, file, off = _batch_item(h, item)
         if type(buf) in _f_types and type(off) is int and off >= 0:
             sq = _short_on(h, write, buf, file, off, 2, subs)
             if sq is not _f_slow:

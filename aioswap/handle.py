@@ -817,12 +817,7 @@ class AioHandle:
         if async_op:
             futs: list[IOFuture] = []
             try:
-                for item in requests:
-                    buf, file, *rest = item
-                    fut = _aio.request(self, write, buf, file, rest[0] if rest else 0, None,
-                                       True, False)
-                    assert isinstance(fut, IOFuture)
-                    futs.append(fut)
+                _aio.many_async(self, write, requests, futs)
             except BaseException:
                 concurrent.futures.wait(futs)
                 self._forget(futs)

@@ -794,9 +794,9 @@ def test_requests_move_while_their_caller_queues_without_pause(tmp_path: Path) -
     engine's burst gap), never waiting, keeps the completion thread standing by for the end
     of its burst. Once the kernel queue is full and requests wait for room, only a reap
     lets them go out: the completion thread must reap while the caller is still queueing.
-    The queueing takes ~4x the device time it asks for; most requests are read before it
-    stops, and every one byte-exact. (With the stand-by kept while requests wait for room,
-    only the first few were.)"""
+    The queueing takes ~4x the device time it asks for; here all were read before it
+    stopped (asked: an eighth, for slower drives), and every one byte-exact. With the
+    completion thread as the only reaper, 2-7% were."""
     import random
     import time
     n = 8192
@@ -821,7 +821,7 @@ def test_requests_move_while_their_caller_queues_without_pause(tmp_path: Path) -
         # read by then: their bytes are in place (a future's done() needs the GIL, which
         # this thread holds, so it would count deliveries, not reads)
         early = int((buf.numpy().reshape(n, 4 * KiB) == want).all(axis=1).sum())
-        assert early >= n // 4, f"only {early} of {n} requests were read while queueing"
+        assert early >= n // 8, f"only {early} of {n} requests were read while queueing"
         assert [x.result(timeout=60) for x in futs] == [4 * KiB] * n
         got = buf.numpy().tobytes()
         for i, off in enumerate(offs):

@@ -358,6 +358,18 @@ def test_batch_items_of_every_shape(tmp_dir, no_general):
             assert h.pread_many(items) == [t.nbytes for t in ts]
             for t, off in zip(ts, offs):
                 assert t.numpy().tobytes() == data[off:off + t.nbytes]
+            for t in ts:
+                t.zero_()
+            futs = h.pread_many(items, async_op=True)
+            assert [x.result() for x in futs] == [t.nbytes for t in ts] and h.wait() == 8
+            for t, off in zip(ts, offs):
+                assert t.numpy().tobytes() == data[off:off + t.nbytes]
+            before = h.stats.reads
+            with pytest.raises(ValueError, match="not enough values"):
+                h.pread_many([(ts[0], f, 64), (ts[1],)], async_op=True)
+            assert h.wait() == 0        # the item before it ran, and was counted off
+            assert h.stats.reads == before + 1
+            ts[0].zero_()
             before = h.stats.reads
             with pytest.raises(ValueError, match="not enough values"):
                 h.pread_many([(ts[0], f, 64), (ts[1],)])
