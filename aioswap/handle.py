@@ -95,6 +95,20 @@ os.register_at_fork(after_in_child=_forked)
 _HELP_S = 0.01
 
 
+def _lazy_list(name: str) -> Any:
+    """A property over the list in attribute ``name`` (None until first read: then made)."""
+    def get(self: Any) -> list[Any]:
+        v: list[Any] | None = getattr(self, name)
+        if v is None:
+            v = []
+            setattr(self, name, v)
+        return v
+
+    def put(self: Any, value: list[Any]) -> None:
+        setattr(self, name, value)
+    return property(get, put)
+
+
 class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
     """The future of one asynchronous request; ``result()`` is the number of bytes moved.
 
@@ -138,27 +152,9 @@ class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
                     c = self._cond = threading.Condition()
         return c
 
-    @property
-    def _waiters(self) -> list[Any]:
-        w = self._waiter_list
-        if w is None:
-            w = self._waiter_list = []
-        return w
-
-    @_waiters.setter
-    def _waiters(self, value: list[Any]) -> None:
-        self._waiter_list = value
-
-    @property
-    def _done_callbacks(self) -> list[Any]:
-        c = self._callback_list
-        if c is None:
-            c = self._callback_list = []
-        return c
-
-    @_done_callbacks.setter
-    def _done_callbacks(self, value: list[Any]) -> None:
-        self._callback_list = value
+    # Future's lists, made on first use (a waiter or a callback added), each per future
+    _waiters = _lazy_list("_waiter_list")
+    _done_callbacks = _lazy_list("_callback_list")
 
     # the lane queue (short-path requests): its hurry() gets a thread blocked in result()
     # the request at once, and with its help() that thread reaps and delivers while it waits
