@@ -863,6 +863,7 @@ def _after_fork_in_child():
     global _self_pid
     pt.pthread_mutex_init(&_edge_mu, NULL)
     memset(_edges, 0, sizeof(_edges))
+    ur.uring_after_fork_child()
     _self_pid = getpid()
     _forget_cache_after_fork()
 
@@ -2073,6 +2074,26 @@ cdef class AioQueue:
             ur.uring_counts(self.q.uring, &pieces, &buffers)
         return buffers
 
+    @property
+    def fixed_file_sqes(self):
+        """Reads and writes (and fsyncs) that named a registered file so far: files that
+        aioswap opened, on io_uring (0 on the other backends)."""
+        cdef long sqes = 0
+        cdef int files = 0
+        if self._ready and self.q.uring != NULL:
+            ur.uring_file_counts(self.q.uring, &sqes, &files)
+        return sqes
+
+    @property
+    def fixed_files(self):
+        """Files registered with this queue's io_uring now; -1 where the ring has no table of
+        registered files (the kernel refused it, or another backend)."""
+        cdef long sqes = 0
+        cdef int files = -1
+        if self._ready and self.q.uring != NULL:
+            ur.uring_file_counts(self.q.uring, &sqes, &files)
+        return files
+
     cdef int _fix_at(self, uint64_t addr, uint64_t n) except -1:
         """io_uring: register the allocation of the page-locked registry that holds
         ``[addr, addr + n)`` with this queue's ring once it is reused: when the direct
@@ -2511,12 +2532,13 @@ def backends_available():
 
 
 def _uring_inject(int setup_errno=0, int einval_flags=0, int register_errno=0,
-                  int cqe_eagain=0, int cqe_short=0):
+                  int cqe_eagain=0, int cqe_short=0, int files_errno=0):
     """Tests only: make the io_uring backend fail on purpose (see ``_uring.h``); all zero
     (the default) turns every fault off."""
     ur.uring_inject.setup_errno = setup_errno
     ur.uring_inject.einval_flags = einval_flags
     ur.uring_inject.register_errno = register_errno
+    ur.uring_inject.files_errno = files_errno
     ur.uring_inject.cqe_eagain = cqe_eagain
     ur.uring_inject.cqe_short = cqe_short
 
@@ -2603,6 +2625,9 @@ cdef class AioFile:
         self.piece = handle._block(self) if handle is not None else 0
         self._fd = fd
         self._closed = False
+        if owned:
+            with nogil:
+                ur.uring_file_open(fd)          # io_uring may register it (see _uring.h)
 
     # -- the handle's side ---------------------------------------------------------------
     @property
@@ -2659,6 +2684,8 @@ cdef class AioFile:
             except Exception:
                 _log.exception("aioswap: closing the device handle of %s failed", self.name)
         if fd >= 0 and self._owned:
+            with nogil:
+                ur.uring_file_close(fd)         # out of every ring's table, then closed
             c_close(fd)
         return 0
 
@@ -2730,6 +2757,8 @@ cdef class AioFile:
                 pass
             self._device = None
         if self._fd >= 0 and self._owned:
+            with nogil:
+                ur.uring_file_close(self._fd)
             c_close(self._fd)
             self._fd = -1
 

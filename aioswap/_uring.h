@@ -59,7 +59,7 @@
 #define IORING_SETUP_CQSIZE (1U << 3)
 #define IORING_SETUP_SUBMIT_ALL (1U << 7)
 typedef struct uring_faults {
-    int setup_errno, einval_flags, register_errno, cqe_eagain, cqe_short;
+    int setup_errno, einval_flags, register_errno, files_errno, cqe_eagain, cqe_short;
 } uring_faults;
 static __attribute__((unused)) uring_faults uring_inject;
 typedef struct uring { int unused; } uring;
@@ -109,6 +109,15 @@ static __attribute__((unused)) void uring_counts(uring *u, long *fixed_pieces, i
     *fixed_pieces = 0;
     *registered = 0;
 }
+static __attribute__((unused)) void uring_file_counts(uring *u, long *fixed_sqes, int *files)
+{
+    (void)u;
+    *fixed_sqes = 0;
+    *files = -1;
+}
+static __attribute__((unused)) void uring_file_open(int fd) { (void)fd; }
+static __attribute__((unused)) void uring_file_close(int fd) { (void)fd; }
+static __attribute__((unused)) void uring_after_fork_child(void) {}
 static __attribute__((unused)) void uring_destroy(uring *u) { (void)u; }
 static __attribute__((unused)) void uring_forget(uring *u) { (void)u; }
 #else
@@ -138,6 +147,8 @@ static __attribute__((unused)) void uring_forget(uring *u) { (void)u; }
 #endif
 #define URING_REGISTER_BUFFERS2 15          /* IORING_REGISTER_BUFFERS2 (an enum upstream) */
 #define URING_REGISTER_BUFFERS_UPDATE 16    /* IORING_REGISTER_BUFFERS_UPDATE */
+#define URING_REGISTER_FILES2 13            /* IORING_REGISTER_FILES2 */
+#define URING_REGISTER_FILES_UPDATE2 14     /* IORING_REGISTER_FILES_UPDATE2 */
 
 /* Our own copies of ABI structs that older headers lack (same layout as upstream). */
 struct uring_ts_ {
@@ -167,6 +178,8 @@ struct uring_rsrc_update2_ {                /* struct io_uring_rsrc_update2 */
 };
 
 #define URING_SLOTS 64                      /* registered-buffer table */
+#define URING_FILE_SLOTS 64                 /* registered-file table */
+#define URING_FIXABLE_FDS 4096              /* fds below this may be registered */
 #define URING_BUF_MAX (1UL << 30)           /* the kernel's limit on one registered buffer */
 #define URING_RW_MAX 0x7ffff000U            /* MAX_RW_COUNT: longer pieces come back short */
 #define URING_EAGAIN_MAX 1000               /* re-queues in a row before -EAGAIN is returned */
@@ -177,7 +190,8 @@ struct uring_rsrc_update2_ {                /* struct io_uring_rsrc_update2 */
 /* Fault injection for tests; all zero in use. Counters are taken atomically.
  * setup_errno: uring_setup fails with it. einval_flags: every setup attempt with flags
  * fails with EINVAL (setup steps down to plain). register_errno: uring_register_buffer
- * fails with it. cqe_eagain = N: the next N read/write CQEs are taken as -EAGAIN (and
+ * fails with it. files_errno: the table of registered files is refused at setup (the ring
+ * then names every file by its fd). cqe_eagain = N: the next N read/write CQEs are taken as -EAGAIN (and
  * re-queued). cqe_short = N: the next N read/write CQEs with res >= 8192 come back short:
  * half, rounded down to a multiple of 4096, so an O_DIRECT queue does not take it for the
  * end of the file (the kernel moved it all; the queue moves the rest again). */
@@ -185,6 +199,7 @@ typedef struct uring_faults {
     int setup_errno;
     int einval_flags;
     int register_errno;
+    int files_errno;
     int cqe_eagain;
     int cqe_short;
 } uring_faults;
@@ -225,7 +240,30 @@ typedef struct uring {
     uring_retry_ *retry;        /* reaper only: pieces re-queued for -EFAULT/-ECANCELED */
     int nretry;
     long nfixed;                /* READ_FIXED/WRITE_FIXED SQEs filled (under mu) */
+    int files;                  /* a table of URING_FILE_SLOTS registered files (5.19) */
+    int file_fd[URING_FILE_SLOTS];  /* the fd in each slot (under mu), -1: free */
+    int nfile_hi;               /* slots [0, nfile_hi) have been used */
+    long nfixed_files;          /* SQEs filled that named a registered file (under mu) */
+    struct uring *all_prev, *all_next;  /* every live ring (uring_all_mu) */
 } uring;
+
+/* Registered files. A file that aioswap opened and owns (an AioFile) is "fixable" from its
+ * open (uring_file_open) to just before its close (uring_file_close). The first SQE that
+ * names it on a ring registers it in that ring's sparse table (one io_uring_register), and
+ * every SQE after goes IOSQE_FIXED_FILE: the kernel then takes no file reference per
+ * request. Closing takes it out of every ring's table before the fd is closed, so a slot
+ * never outlives its fd, and an fd number reused for another file is never taken for the
+ * old one; nothing is in flight on a file that is being closed (requests hold it open).
+ * Fds the caller owns are never registered: they may be closed at any time. */
+static uint64_t uring_fixable_[URING_FIXABLE_FDS / 64];
+static pthread_mutex_t uring_all_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct uring *uring_all_;
+
+static int uring_fixable_fd_(int fd)
+{
+    return fd >= 0 && fd < URING_FIXABLE_FDS
+           && (__atomic_load_n(&uring_fixable_[fd / 64], __ATOMIC_RELAXED) >> (fd % 64)) & 1;
+}
 
 static int uring_take_(int *counter)
 {
@@ -366,8 +404,23 @@ URING_API int uring_setup(uring **out, int cap, unsigned *flags_used)
         u->reg_mode = URING_REG_SPARSE;
     else
         u->reg_mode = URING_REG_ONCE;
+    /* An empty table of URING_FILE_SLOTS files (5.19), filled as fixable files come. */
+    memset(&rr, 0, sizeof rr);
+    rr.nr = URING_FILE_SLOTS;
+    rr.flags = IORING_RSRC_REGISTER_SPARSE;
+    if (!uring_inject.files_errno
+        && uring_register_(fd, URING_REGISTER_FILES2, &rr, sizeof rr) == 0)
+        u->files = 1;
+    for (i = 0; i < URING_FILE_SLOTS; i++)
+        u->file_fd[i] = -1;
     pthread_mutex_init(&u->mu, NULL);
     pthread_mutex_init(&u->reg_mu, NULL);
+    pthread_mutex_lock(&uring_all_mu);
+    u->all_next = uring_all_;
+    if (uring_all_)
+        uring_all_->all_prev = u;
+    uring_all_ = u;
+    pthread_mutex_unlock(&uring_all_mu);
     if (flags_used)
         *flags_used = p.flags;
     *out = u;
@@ -382,14 +435,53 @@ fail:
     return -1;
 }
 
+/* Under mu: the slot of the registered file fd in u's table, registering it now if it is
+ * fixable and a slot is free; -1: name it by its fd (not fixable, no table, table full,
+ * or the kernel refused it). */
+static int uring_file_slot_(uring *u, int fd)
+{
+    struct uring_rsrc_update2_ up;
+    int i, s = -1;
+    if (!u->files || !uring_fixable_fd_(fd))
+        return -1;
+    for (i = 0; i < u->nfile_hi; i++) {
+        if (u->file_fd[i] == fd)
+            return i;
+        if (s < 0 && u->file_fd[i] < 0)
+            s = i;
+    }
+    if (s < 0) {
+        if (u->nfile_hi == URING_FILE_SLOTS)
+            return -1;
+        s = u->nfile_hi;
+    }
+    memset(&up, 0, sizeof up);
+    up.offset = (unsigned)s;
+    up.data = (uint64_t)(uintptr_t)&fd;
+    up.nr = 1;
+    if (uring_register_(u->fd, URING_REGISTER_FILES_UPDATE2, &up, sizeof up) != 1)
+        return -1;
+    u->file_fd[s] = fd;
+    if (s == u->nfile_hi)
+        u->nfile_hi++;
+    return s;
+}
+
 /* Under mu: fill one SQE from cb; 0, or -1 for an opcode we do not know. */
 static int uring_fill_(uring *u, struct io_uring_sqe *sqe, struct iocb *cb)
 {
     uint64_t n = cb->aio_nbytes;
     int i;
     memset(sqe, 0, sizeof *sqe);
-    sqe->fd = (int32_t)cb->aio_fildes;
     sqe->user_data = (uint64_t)(uintptr_t)cb;
+    if (!(cb->aio_flags & URING_IOCB_INLINE)
+        && (i = uring_file_slot_(u, (int)cb->aio_fildes)) >= 0) {
+        sqe->fd = i;
+        sqe->flags = IOSQE_FIXED_FILE;
+        u->nfixed_files++;
+    } else {
+        sqe->fd = (int32_t)cb->aio_fildes;
+    }
     switch (cb->aio_lio_opcode) {
     case IOCB_CMD_PREAD:
     case IOCB_CMD_PWRITE:
@@ -781,6 +873,74 @@ URING_API void uring_counts(uring *u, long *fixed_pieces, int *registered)
     pthread_mutex_unlock(&u->mu);
 }
 
+/* SQEs filled so far that named a registered file, and files registered now (-1: the
+ * ring has no table of registered files). */
+URING_API void uring_file_counts(uring *u, long *fixed_sqes, int *files)
+{
+    int i, n = 0;
+    pthread_mutex_lock(&u->mu);
+    *fixed_sqes = u->nfixed_files;
+    for (i = 0; i < u->nfile_hi; i++)
+        n += u->file_fd[i] >= 0;
+    *files = u->files ? n : -1;
+    pthread_mutex_unlock(&u->mu);
+}
+
+/* Take fd out of every ring's table of registered files. */
+static void uring_file_forget_(int fd)
+{
+    struct uring_rsrc_update2_ up;
+    int none = -1, i;
+    uring *u;
+    pthread_mutex_lock(&uring_all_mu);
+    for (u = uring_all_; u; u = u->all_next) {
+        pthread_mutex_lock(&u->mu);
+        for (i = 0; i < u->nfile_hi; i++) {
+            if (u->file_fd[i] != fd)
+                continue;
+            memset(&up, 0, sizeof up);
+            up.offset = (unsigned)i;
+            up.data = (uint64_t)(uintptr_t)&none;
+            up.nr = 1;
+            /* Cannot fail for a slot that holds a file (the kernel drops its reference once
+             * the requests using it are done); if it did, the slot stays out of use. */
+            if (uring_register_(u->fd, URING_REGISTER_FILES_UPDATE2, &up, sizeof up) == 1)
+                u->file_fd[i] = -1;
+            else
+                u->file_fd[i] = -2;
+        }
+        pthread_mutex_unlock(&u->mu);
+    }
+    pthread_mutex_unlock(&uring_all_mu);
+}
+
+/* fd is a file aioswap opened and owns: rings may register it. Any registration left
+ * under its number (of a file closed behind our back) is dropped first. */
+URING_API void uring_file_open(int fd)
+{
+    if (fd < 0 || fd >= URING_FIXABLE_FDS)
+        return;
+    uring_file_forget_(fd);
+    __atomic_or_fetch(&uring_fixable_[fd / 64], 1ULL << (fd % 64), __ATOMIC_RELEASE);
+}
+
+/* fd is about to be closed (nothing is in flight on it): no ring may name it from now on. */
+URING_API void uring_file_close(int fd)
+{
+    if (fd < 0 || fd >= URING_FIXABLE_FDS)
+        return;
+    __atomic_and_fetch(&uring_fixable_[fd / 64], ~(1ULL << (fd % 64)), __ATOMIC_RELEASE);
+    uring_file_forget_(fd);
+}
+
+/* In a forked child: the rings on the list are the parent's (uring_forget lets go of each),
+ * and another thread may have held the list's mutex at the fork. */
+URING_API void uring_after_fork_child(void)
+{
+    pthread_mutex_init(&uring_all_mu, NULL);
+    uring_all_ = NULL;
+}
+
 /* Drop the registrations that lie inside [addr, addr+len); I/O already in flight on them
  * finishes first (the kernel holds the pages until then). 0, or -1 with errno. */
 URING_API int uring_unregister_buffer(uring *u, void *addr, size_t len)
@@ -831,6 +991,14 @@ URING_API void uring_destroy(uring *u)
     int fails = 0;
     if (!u)
         return;
+    pthread_mutex_lock(&uring_all_mu);
+    if (u->all_prev)
+        u->all_prev->all_next = u->all_next;
+    else if (uring_all_ == u)
+        uring_all_ = u->all_next;
+    if (u->all_next)
+        u->all_next->all_prev = u->all_prev;
+    pthread_mutex_unlock(&uring_all_mu);
     pthread_mutex_lock(&u->mu);
     uring_flush_(u);
     pthread_mutex_unlock(&u->mu);
@@ -844,6 +1012,8 @@ URING_API void uring_destroy(uring *u)
     }
     if (u->nreg || u->slots_used)       /* unpin now, not in the kernel's deferred teardown */
         uring_register_(u->fd, IORING_UNREGISTER_BUFFERS, NULL, 0);
+    if (u->files)                       /* let go of the files now, likewise */
+        uring_register_(u->fd, IORING_UNREGISTER_FILES, NULL, 0);
     uring_unmap_(u);
     close(u->fd);
     pthread_mutex_destroy(&u->mu);

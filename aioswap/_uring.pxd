@@ -13,6 +13,7 @@ cdef extern from "_uring.h" nogil:
         int setup_errno
         int einval_flags
         int register_errno
+        int files_errno
         int cqe_eagain
         int cqe_short
     uring_faults uring_inject
@@ -24,6 +25,10 @@ cdef extern from "_uring.h" nogil:
     int uring_unregister_buffer(uring* u, void* addr, size_t len)
     int uring_covers(uring* u, uint64_t addr, uint64_t len)
     void uring_counts(uring* u, long* fixed_pieces, int* registered)
+    void uring_file_counts(uring* u, long* fixed_sqes, int* files)
+    void uring_file_open(int fd)
+    void uring_file_close(int fd)
+    void uring_after_fork_child()
     void uring_destroy(uring* u)
     void uring_forget(uring* u)
     # IORING_SETUP_* flags reported by uring_setup; iocb flag: run in the submitting thread

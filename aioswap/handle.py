@@ -1523,10 +1523,7 @@ class AioHandle:
                 self._release(req)
                 with self._lock:
                     self._finished_locked(outcome, error)
-                if error is None:
-                    fut.set_result(done)
-                else:
-                    fut.set_exception(error)
+                fut._finish(done, error)
             try:
                 self._stager.submit(staged)
             except BaseException:               # no thread could be started
@@ -1574,7 +1571,7 @@ class AioHandle:
         with self._lock:
             if token.outcome is not None:
                 self._finished_locked(token.outcome, None, counted=False)
-        token.fut.set_exception(HandleClosedError("request was not submitted"))
+        token.fut._finish(0, HandleClosedError("request was not submitted"))
         self._release(token.req)
 
     def _finish_async(self, token: _Async, exc: BaseException | None = None) -> None:
@@ -1596,10 +1593,7 @@ class AioHandle:
             self._core.leave(True)
             if token.outcome is not None:
                 self._finished_locked(token.outcome, first)
-        if first is not None:
-            fut.set_exception(first)
-        else:
-            fut.set_result(token.done)
+        fut._finish(token.done, first)
 
 
 _shared: AioHandle | None = None

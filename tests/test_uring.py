@@ -4,7 +4,9 @@ The byte-exact suites (engine, short path, reliability, requests) run on io_urin
 the ``engine_backend`` fixture; here are the io_uring-only paths: setup refused (EPERM,
 ENOSYS) or its flags refused (EINVAL), ring registration refused (injected, and for real as
 a normal user under a small RLIMIT_MEMLOCK), completions that come back -EAGAIN or short,
-more requests than the ring holds, buffered reads, and no leak of rings over many queues.
+more requests than the ring holds, buffered reads, registered files (let go before their fd
+closes, refused, never a caller's fd, a forked child's own), and no leak of rings over many
+queues.
 """
 from __future__ import annotations
 
@@ -353,3 +355,135 @@ def test_page_locked_memory_registration_refused_is_plain(
         _aio._uring_inject()
         h.pread(p, path, 4096, async_op=True).result(timeout=60)
         assert q.fixed_pieces == 0 and p.numpy().tobytes() == data[4096:4096 + MiB]
+
+
+def _ring_files() -> list[str]:
+    """The registered-file entries of this process's io_uring instances (fdinfo)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != "anon_inode:[io_uring]":
+                continue
+            info = Path(f"/proc/self/fdinfo/{fd}").read_text()
+        except OSError:
+            continue
+        table = info.split("UserFiles:", 1)[1].split("UserBufs:", 1)[0].splitlines()[1:]
+        out += [ln.split(":", 1)[1].strip() for ln in table if "<none>" not in ln]
+    return out
+
+
+def test_open_files_are_registered_and_let_go(tmp_dir: Path) -> None:
+    """A file the handle opened goes to the ring as a registered (fixed) file on its first
+    request; closing it takes it out of every ring's table before its fd is closed, so the
+    next file that gets the same fd number is read as itself, not as the old one."""
+    a, b = tmp_dir / "a.bin", tmp_dir / "b.bin"
+    da, db = _rand(MiB, 21), _rand(MiB, 22)
+    a.write_bytes(da)
+    b.write_bytes(db)
+    with aioswap.AioHandle(queue_depth=16, block_size=256 * KiB, backend="io_uring") as h:
+        q = h._lanes[0].queue
+        assert q.fixed_files == 0
+        p = aioswap.pinned.empty(MiB, torch.uint8)
+        f = h.open(a, "r+")
+        fd = f.fileno()
+        futs = [f.pread(p[i:i + 64 * KiB], i, async_op=True) for i in range(0, MiB, 64 * KiB)]
+        assert sum(x.result(timeout=60) for x in futs) == MiB
+        assert p.numpy().tobytes() == da
+        assert q.fixed_files == 1 and q.fixed_file_sqes >= 16
+        assert _ring_files() == [str(a)]
+        new = _rand(MiB, 23)                          # writes and fsync through the slot
+        src = aioswap.pinned.empty(MiB, torch.uint8)
+        src.copy_(torch.frombuffer(bytearray(new), dtype=torch.uint8))
+        before = q.fixed_file_sqes
+        assert f.pwrite(src, 0, async_op=True, fsync=True).result(timeout=60) == MiB
+        assert q.fixed_file_sqes >= before + 5        # 4 pieces and the fsync
+        assert a.read_bytes() == new
+        f.close()
+        assert q.fixed_files == 0 and _ring_files() == []
+        g = h.open(b, "r")                            # the lowest free number: a's
+        assert g.fileno() == fd
+        assert g.pread(p, 0, async_op=True).result(timeout=60) == MiB
+        assert p.numpy().tobytes() == db
+        assert q.fixed_files == 1 and _ring_files() == [str(b)]
+        g.close()
+        # a path argument: the handle's own file for it, registered the same way, and
+        # let go when the handle closes
+        assert h.pread(p, a, 0, async_op=True).result(timeout=60) == MiB
+        assert p.numpy().tobytes() == new
+        assert _ring_files() == [str(a)]
+    assert _ring_files() == []
+
+
+def test_callers_fds_are_never_registered(data_file: tuple[Path, bytes]) -> None:
+    """An fd the caller owns may be closed (and its number reused) at any time: the ring
+    names it by number on every request."""
+    path, data = data_file
+    q = AioQueue(4, backend="io_uring")
+    mem = LockedMemory(MiB)
+    fd = open_direct(path)
+    try:
+        assert q.submit(fd, False, mem.address, MiB, 0, MODE_DIRECT, 4096, 256 * KiB, None,
+                        False, True).wait() == MiB
+        assert bytes(memoryview(mem)) == data[:MiB]
+        assert q.fixed_file_sqes == 0 and q.fixed_files == 0
+    finally:
+        os.close(fd)
+        q.close()
+
+
+def test_file_table_refused_names_files_by_fd(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    _aio._uring_inject(files_errno=errno.EINVAL)
+    with aioswap.AioHandle(queue_depth=16, block_size=256 * KiB, backend="io_uring") as h:
+        q = h._lanes[0].queue
+        assert q.fixed_files == -1
+        with h.open(path, "r") as f:
+            p = aioswap.pinned.empty(MiB, torch.uint8)
+            assert f.pread(p, 4096, async_op=True).result(timeout=60) == MiB
+            assert p.numpy().tobytes() == data[4096:4096 + MiB]
+        assert q.fixed_file_sqes == 0 and q.fixed_files == -1
+        _round_trip(h, path, data)
+
+
+def test_forked_child_registers_files_on_its_own_ring(data_file: tuple[Path, bytes]) -> None:
+    """A child's rings are its own: the parent's table of registered files is neither used
+    nor changed by the child, and a handle made in the child registers its own files."""
+    path, _ = data_file
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import os, sys, time, torch, aioswap
+        path = {str(path)!r}
+        data = open(path, "rb").read()
+        h = aioswap.AioHandle(backend="io_uring", block_size=256 << 10)
+        f = h.open(path, "r")
+        p = aioswap.pinned.empty(1 << 20, torch.uint8)
+        assert f.pread(p, 0, async_op=True).result() == 1 << 20
+        q = h._lanes[0].queue
+        assert q.fixed_files == 1
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                h2 = aioswap.AioHandle(backend="io_uring", block_size=256 << 10)
+                g = h2.open(path, "r")
+                c = torch.empty(1 << 20, dtype=torch.uint8)
+                assert g.pread(c, 4096, async_op=True).result() == 1 << 20
+                assert c.numpy().tobytes() == data[4096:4096 + (1 << 20)]
+                assert h2._lanes[0].queue.fixed_files == 1
+                g.close()
+                assert h2._lanes[0].queue.fixed_files == 0
+                h2.close()
+            except BaseException as exc:
+                print("child", repr(exc), flush=True)
+                code = 3
+            os._exit(code)
+        for k in range(20):                    # the parent goes on meanwhile
+            assert f.pread(p, k * 4096, async_op=True).result() == 1 << 20
+            assert p.numpy().tobytes() == data[k * 4096:k * 4096 + (1 << 20)]
+        _, status = os.waitpid(pid, 0)
+        assert q.fixed_files == 1
+        f.close()
+        assert q.fixed_files == 0
+        h.close()
+        sys.exit(os.waitstatus_to_exitcode(status))
+    """)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
