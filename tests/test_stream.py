@@ -482,8 +482,9 @@ def test_ctrl_c_mid_loop(tmp_dir: Path, where: str) -> None:
 # SIGKILL during write-back: each bucket is the old one or the new one, whole
 
 _KILL_CHILD = """
-    import sys, torch
+    import faulthandler, signal, sys, torch
     import aioswap
+    faulthandler.register(signal.SIGUSR1, all_threads=True)    # stacks, should it stall
     from aioswap import AioHandle, TensorSwapper, offload
     d, fresh = sys.argv[1], sys.argv[2] == "1"
     h = AioHandle(block_size=64 << 10, queue_depth=2)
@@ -499,6 +500,14 @@ _KILL_CHILD = """
             for t in bucket.values():
                 t.add_(1)
 """
+
+
+def _manifest_stamp(d: Path) -> tuple[int, int]:
+    try:
+        st = os.stat(d / "aioswap-manifest.json")
+    except OSError:
+        return (0, 0)
+    return (st.st_ino, st.st_mtime_ns)
 
 
 def _packs_unpublished(d: Path) -> list[str]:
@@ -526,9 +535,22 @@ def test_sigkill_during_write_back(tmp_dir: Path) -> None:
             assert line.strip() == "READY", (line, p.stderr.read() if p.stderr else "")
             time.sleep(rng.uniform(0.1, 0.6))
             deadline = time.monotonic() + 30
+            published = set()
             while not _packs_unpublished(d) and time.monotonic() < deadline:
+                published.add(_manifest_stamp(d))
                 time.sleep(0.001)               # kill while a write-back is in flight
-            assert _packs_unpublished(d), "no write-back seen"
+            if not _packs_unpublished(d):
+                # say whether the child stalled (one manifest all along) or wrote back
+                # between our looks, and where its threads were
+                alive = p.poll() is None
+                if alive:
+                    p.send_signal(signal.SIGUSR1)
+                    time.sleep(1)
+                    p.kill()
+                _, err = p.communicate(timeout=30)
+                raise AssertionError(f"no write-back seen in 30 s; child alive: {alive}, "
+                                     f"manifests seen: {len(published)}; stderr:\n"
+                                     f"{err[-6000:]}")
             p.send_signal(signal.SIGKILL)
             p.wait(timeout=30)
             err = p.stderr.read() if p.stderr else ""
