@@ -1330,6 +1330,10 @@ cdef void _k_forget(_Q* q) noexcept:
         ur.uring_forget(u)
 
 
+# The IORING_SETUP_* flags the io_uring backend tries (AioQueue.uring_flags holds those taken).
+URING_SETUP_FLAGS = {"CQSIZE": ur.IORING_SETUP_CQSIZE, "SUBMIT_ALL": ur.IORING_SETUP_SUBMIT_ALL}
+
+
 # Backends a queue can run on. "auto" is io_uring, else kernel AIO where io_uring_setup is
 # refused (kernel.io_uring_disabled, a container's seccomp profile), else worker threads where
 # io_setup is refused too (aio-max-nr exhausted, seccomp).

@@ -274,7 +274,14 @@ def _backend_info() -> dict[str, Any]:
     except OSError as exc:
         return {"name": None, "reason": str(exc), "backends": works}
     try:
-        return {"name": q.backend, "reason": q.why or None, "backends": works}
+        out: dict[str, Any] = {"name": q.backend, "reason": q.why or None, "backends": works}
+        if q.backend == "io_uring":
+            out["io_uring"] = {
+                "setup_flags": [n for n, bit in _aio.URING_SETUP_FLAGS.items()
+                                if q.uring_flags & bit],
+                "registered_files": q.fixed_files >= 0,
+            }
+        return out
     finally:
         q.close()
 
@@ -298,6 +305,12 @@ def _format_info(info: dict[str, Any]) -> str:
         "backends         : " + ", ".join(
             f"{name} {'yes' if b['works'] else 'NO (' + str(b['reason']) + ')'}"
             for name, b in info["backend"]["backends"].items()),
+    ]
+    ur = info["backend"].get("io_uring")
+    if ur is not None:
+        lines.append(f"io_uring         : setup flags {'|'.join(ur['setup_flags']) or 'none'}, "
+                     f"registered files {'yes' if ur['registered_files'] else 'no'}")
+    lines += [
         f"directory        : {d['path']} ({d['fs_type']}), "
         f"{format_size(d['free_bytes'])} free of {format_size(d['total_bytes'])}",
     ]

@@ -267,6 +267,11 @@ def test_info_text(disk: Path, capsys: pytest.CaptureFixture[str],
     if info["device"]["name"]:
         assert "scheduler" in out and "logical" in out and "nr_requests" in out
         assert "NUMA node" in out
+    ur = info["backend"].get("io_uring")
+    assert (ur is not None) == (info["backend"]["name"] == "io_uring")
+    if ur is not None:              # the flags this kernel took, and the table of files
+        assert set(ur["setup_flags"]) <= {"CQSIZE", "SUBMIT_ALL"}
+        assert f"registered files {'yes' if ur['registered_files'] else 'no'}" in out
     assert all(len(line) <= 120 for line in out.splitlines()), out   # no 400-character lines
     if not info["cufile"]["available"]:
         line = next(x for x in out.splitlines() if x.startswith("cuFile"))
