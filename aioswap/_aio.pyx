@@ -35,9 +35,9 @@ import os
 
 from aioswap.errors import DirectIOUnsupportedError, HandleClosedError, ShortReadError
 
-from aioswap._mman cimport MADV_POPULATE_READ, MADV_POPULATE_WRITE, madvise
-from posix.mman cimport (MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, PROT_READ, PROT_WRITE, mlock,
-                         mmap, munlock, munmap)
+from aioswap._mman cimport MADV_POPULATE_READ, MADV_POPULATE_WRITE, madvise, mincore
+from posix.mman cimport (MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, MAP_SHARED, PROT_READ,
+                         PROT_WRITE, mlock, mmap, munlock, munmap)
 
 
 cdef int _check(long ret, int err, str what, object path=None, str hint="") except -1:
@@ -814,6 +814,38 @@ def populate_read(object buf):
             return False
         raise OSError(e, f"madvise(MADV_POPULATE_READ) of {hi - lo} bytes: {os.strerror(e)}")
     return True
+
+
+def resident_prefix(int fd, int64_t offset, int64_t nbytes):
+    """How many bytes from ``offset`` (at most ``nbytes``) lie in pages of ``fd``'s file
+    that are in the page cache now: ``mincore`` over a mapping that is never touched, so it
+    reads nothing and starts no read-ahead. (A ``RWF_NOWAIT`` read that misses does start
+    one: the kernel reads the range into the cache without waiting.) 0 where it cannot be
+    told (a file that cannot be mapped)."""
+    cdef int64_t lo, hi, k, npages, got = 0
+    cdef unsigned char* vec
+    cdef void* addr
+    if offset < 0 or nbytes <= 0:
+        return 0
+    lo = offset & ~(<int64_t>_page - 1)
+    hi = offset + nbytes
+    npages = (hi - lo + _page - 1) // _page
+    vec = <unsigned char*>PyMem_RawMalloc(<size_t>npages)
+    if vec == NULL:
+        raise MemoryError()
+    try:
+        with nogil:
+            addr = mmap(NULL, <size_t>(hi - lo), PROT_READ, MAP_SHARED, fd, lo)
+            if addr != MAP_FAILED:
+                if mincore(addr, <size_t>(hi - lo), vec) == 0:
+                    k = 0
+                    while k < npages and vec[k] & 1:
+                        k += 1
+                    got = min(lo + k * <int64_t>_page, hi) - offset
+                munmap(addr, <size_t>(hi - lo))
+    finally:
+        PyMem_RawFree(vec)
+    return got if got > 0 else 0
 
 
 cdef int _copy_out(void* dst, const void* src, size_t n) noexcept nogil:

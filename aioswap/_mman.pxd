@@ -3,6 +3,7 @@
 
 cdef extern from "<sys/mman.h>" nogil:
     int madvise(void* addr, size_t length, int advice)
+    int mincore(void* addr, size_t length, unsigned char* vec)
 
 # Linux 5.14; the value is the kernel's (older headers lack the name)
 cdef enum:

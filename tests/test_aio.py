@@ -1230,3 +1230,29 @@ def test_cached_hit_finds_the_handles_file_by_fd_and_path(tmp_path: Path) -> Non
                     None):
             assert _aio.cached_hit(h, bad, False) is None
         assert f._users == users
+
+
+def test_resident_prefix_reads_nothing_in(tmp_dir: Path) -> None:
+    """``resident_prefix``: the cached part at the front of a range, in bytes from its
+    offset, told without reading any page in (a RWF_NOWAIT probe that misses would)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    path = tmp_dir / "r.bin"
+    path.write_bytes(os.urandom(8 * page))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)      # reads below: their pages only
+        assert _aio.resident_prefix(fd, 0, 8 * page) == 0
+        assert _aio.resident_prefix(fd, 0, 8 * page) == 0        # and still nothing there
+        os.pread(fd, 2 * page, 0)                               # pages 0 and 1
+        os.pread(fd, page, 5 * page)                            # page 5: not leading
+        assert _aio.resident_prefix(fd, 0, 8 * page) == 2 * page
+        assert _aio.resident_prefix(fd, 100, 8 * page - 100) == 2 * page - 100
+        assert _aio.resident_prefix(fd, 100, 50) == 50          # clipped to the range
+        assert _aio.resident_prefix(fd, 2 * page, page) == 0
+        assert _aio.resident_prefix(fd, 5 * page + 7, page - 7) == page - 7
+        assert _aio.resident_prefix(fd, 0, 0) == 0
+        assert _aio.resident_prefix(-1, 0, page) == 0           # cannot be told: 0
+    finally:
+        os.close(fd)

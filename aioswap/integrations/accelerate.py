@@ -53,9 +53,9 @@ Direct:
   freed with the last tensor of a batch is the one a later batch gets back from the
   locked-memory cache: fresh memory is faulted in for the first few batches only, and what
   stays resident is a few buffers, not one of each size ever read.
-* What of a request's range is in the page cache is copied from it (``preadv`` with
-  ``RWF_NOWAIT``, which never waits for the drive and starts no read-ahead); only the rest
-  is read with ``O_DIRECT``, which fills no cache.
+* What of a request's range is in the page cache is copied from it (``mincore`` says
+  which part, without reading anything); only the rest is read with ``O_DIRECT``, which
+  fills no cache.
 * Every tensor handed out is a view of its batch's buffer with a storage of its own; the
   buffer is never reused while any such tensor lives (it is freed, back into the
   locked-memory cache, with the last one), so a tensor the caller keeps is never
@@ -427,20 +427,22 @@ class _Resources:
         """Copy the leading part of ``path``'s range at ``offset`` that is in the page cache
         into ``mem``; return the bytes copied (all of them, or a multiple of the alignment).
 
-        ``RWF_NOWAIT`` never waits for the drive and starts no read-ahead, so a range not in
-        the cache costs one failed call and is left to direct I/O."""
+        ``mincore`` says which part that is, reading nothing (a ``RWF_NOWAIT`` read that
+        misses would read the range into the cache, and the drive would then serve it
+        twice); the copy is ``RWF_NOWAIT``, so a page dropped meanwhile is left to direct
+        I/O too, and the rest goes direct."""
         fd = self.fd(path)
-        n = len(mem)
+        n = _aio.resident_prefix(fd, offset, len(mem))
         got = 0
         while got < n:
             try:
-                r = os.preadv(fd, [mem[got:]], offset + got, os.RWF_NOWAIT)
-            except OSError:      # EAGAIN: not cached; EOPNOTSUPP: no RWF_NOWAIT on this fs
+                r = os.preadv(fd, [mem[got:n]], offset + got, os.RWF_NOWAIT)
+            except OSError:      # EAGAIN: dropped meanwhile; EOPNOTSUPP: no RWF_NOWAIT here
                 break
             if r <= 0:
                 break
             got += r
-        return got if got == n else got // _ALIGN * _ALIGN
+        return got if got == len(mem) else got // _ALIGN * _ALIGN
 
     def close(self) -> None:
         for b in self.live:
