@@ -362,8 +362,8 @@ def read_header(filename: PathLike) -> Header:
     path = os.fspath(filename)
     fd = _open_data(path)
     try:
-        # only the header's pages: read-ahead would pull the tensors into the page cache
-        # (up to read_ahead_kb, 8 MiB on some drives), which direct reads then bypass
+        # only the header's pages: read-ahead would pull the first tensors into the page
+        # cache, where direct reads never look for them
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         return _read_header_fd(fd, path)
     finally:
