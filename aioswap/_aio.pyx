@@ -2090,45 +2090,39 @@ cdef class AioQueue:
         pieces); ``ring_note`` says why not when registration was refused."""
         return self.q.uring != NULL and self.q.nbuf > 0 and not self.ring_note
 
+    cdef tuple _uring_counts(self):
+        # (READ_FIXED/WRITE_FIXED pieces, registered buffers, SQEs that named a registered
+        # file, registered files or -1 without a table); zeros and -1 off io_uring
+        cdef long pieces = 0, sqes = 0
+        cdef int buffers = 0, files = -1
+        if self._ready and self.q.uring != NULL:
+            ur.uring_counts(self.q.uring, &pieces, &buffers)
+            ur.uring_file_counts(self.q.uring, &sqes, &files)
+        return (pieces, buffers, sqes, files)
+
     @property
     def fixed_pieces(self):
         """Pieces that went to io_uring as ``READ_FIXED``/``WRITE_FIXED`` so far (0 on the
         other backends)."""
-        cdef long pieces = 0
-        cdef int buffers = 0
-        if self._ready and self.q.uring != NULL:
-            ur.uring_counts(self.q.uring, &pieces, &buffers)
-        return pieces
+        return self._uring_counts()[0]
 
     @property
     def fixed_buffers(self):
         """Buffers registered with this queue's io_uring: the bounce ring and page-locked
         allocations (a piece of at most 1 GiB each)."""
-        cdef long pieces = 0
-        cdef int buffers = 0
-        if self._ready and self.q.uring != NULL:
-            ur.uring_counts(self.q.uring, &pieces, &buffers)
-        return buffers
+        return self._uring_counts()[1]
 
     @property
     def fixed_file_sqes(self):
         """Reads and writes (and fsyncs) that named a registered file so far: files that
         aioswap opened, on io_uring (0 on the other backends)."""
-        cdef long sqes = 0
-        cdef int files = 0
-        if self._ready and self.q.uring != NULL:
-            ur.uring_file_counts(self.q.uring, &sqes, &files)
-        return sqes
+        return self._uring_counts()[2]
 
     @property
     def fixed_files(self):
         """Files registered with this queue's io_uring now; -1 where the ring has no table of
         registered files (the kernel refused it, or another backend)."""
-        cdef long sqes = 0
-        cdef int files = -1
-        if self._ready and self.q.uring != NULL:
-            ur.uring_file_counts(self.q.uring, &sqes, &files)
-        return files
+        return self._uring_counts()[3]
 
     cdef int _fix_at(self, uint64_t addr, uint64_t n) except -1:
         """io_uring: register the allocation of the page-locked registry that holds

@@ -362,9 +362,12 @@ def read_header(filename: PathLike) -> Header:
     path = os.fspath(filename)
     fd = _open_data(path)
     try:
-        # only the header's pages: read-ahead would pull the first tensors into the page
-        # cache, where direct reads never look for them
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        try:
+            # only the header's pages: read-ahead would pull the first tensors into the
+            # page cache, where direct reads never look for them
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        except OSError:         # not a regular file (ESPIPE): refused below, as it was
+            pass
         return _read_header_fd(fd, path)
     finally:
         os.close(fd)
