@@ -560,10 +560,12 @@ def test_sigkill_during_write_back(tmp_dir: Path) -> None:
             time.sleep(rng.uniform(0.1, 0.6))
             deadline = time.monotonic() + 30
             published = set()
-            while not _packs_unpublished(d) and time.monotonic() < deadline:
+            # kill while a write-back is in flight: one look decides (a second look could
+            # find it published meanwhile, which the old check took for no write-back)
+            while not (seen := _packs_unpublished(d)) and time.monotonic() < deadline:
                 published.add(_manifest_stamp(d))
-                time.sleep(0.001)               # kill while a write-back is in flight
-            if not _packs_unpublished(d):
+                time.sleep(0.001)
+            if not seen:
                 # say whether the child stalled (one manifest all along) or wrote back
                 # between our looks, and where its threads were
                 alive = p.poll() is None
