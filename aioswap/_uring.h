@@ -191,8 +191,8 @@ struct uring_rsrc_update2_ {                /* struct io_uring_rsrc_update2 */
  * setup_errno: uring_setup fails with it. einval_flags: every setup attempt with flags
  * fails with EINVAL (setup steps down to plain). register_errno: uring_register_buffer
  * fails with it. files_errno: the table of registered files is refused at setup (the ring
- * then names every file by its fd). cqe_eagain = N: the next N read/write CQEs are taken as -EAGAIN (and
- * re-queued). cqe_short = N: the next N read/write CQEs with res >= 8192 come back short:
+ * then names every file by its fd). cqe_eagain = N: the next N read/write CQEs are taken as
+ * -EAGAIN (and re-queued). cqe_short = N: the next N read/write CQEs with res >= 8192 come back short:
  * half, rounded down to a multiple of 4096, so an O_DIRECT queue does not take it for the
  * end of the file (the kernel moved it all; the queue moves the rest again). */
 typedef struct uring_faults {
@@ -241,7 +241,7 @@ typedef struct uring {
     int nretry;
     long nfixed;                /* READ_FIXED/WRITE_FIXED SQEs filled (under mu) */
     int files;                  /* a table of URING_FILE_SLOTS registered files (5.19) */
-    int file_fd[URING_FILE_SLOTS];  /* the fd in each slot (under mu), -1: free */
+    int file_fd[URING_FILE_SLOTS];  /* the fd in each slot (under mu); -1 free, -2 stuck */
     int nfile_hi;               /* slots [0, nfile_hi) have been used */
     long nfixed_files;          /* SQEs filled that named a registered file (under mu) */
     struct uring *all_prev, *all_next;  /* every live ring (uring_all_mu) */
@@ -447,7 +447,7 @@ static int uring_file_slot_(uring *u, int fd)
     for (i = 0; i < u->nfile_hi; i++) {
         if (u->file_fd[i] == fd)
             return i;
-        if (s < 0 && u->file_fd[i] < 0)
+        if (s < 0 && u->file_fd[i] == -1)     /* -2: a slot that failed to clear */
             s = i;
     }
     if (s < 0) {
