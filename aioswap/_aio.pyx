@@ -2594,6 +2594,11 @@ cdef extern from "<linux/fs.h>" nogil:
     unsigned long BLKGETSIZE64
 
 
+cdef void _close_owned(int fd) noexcept nogil:
+    ur.uring_file_close(fd)                 # out of every ring's table, then closed
+    c_close(fd)
+
+
 @cython.auto_pickle(False)
 cdef class AioFile:
     """A file opened once for many requests (see :meth:`aioswap.AioHandle.open`).
@@ -2714,9 +2719,7 @@ cdef class AioFile:
             except Exception:
                 _log.exception("aioswap: closing the device handle of %s failed", self.name)
         if fd >= 0 and self._owned:
-            with nogil:
-                ur.uring_file_close(fd)         # out of every ring's table, then closed
-            c_close(fd)
+            _close_owned(fd)
         return 0
 
     def device_handle(self, factory):
@@ -2787,9 +2790,7 @@ cdef class AioFile:
                 pass
             self._device = None
         if self._fd >= 0 and self._owned:
-            with nogil:
-                ur.uring_file_close(self._fd)
-            c_close(self._fd)
+            _close_owned(self._fd)
             self._fd = -1
 
 
