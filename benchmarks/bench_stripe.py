@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -198,20 +199,24 @@ def aioswap_run(h: aioswap.AioHandle, parts: Sequence[str], bs: int, size: int,
     buf = h.new_cpu_locked_tensor(min(size, window * bs), torch.uint8)
     buf.random_(0, 256)
     slots = buf.numel() // bs
+    window = min(window, slots)
     rates = []
     with h.open(list(parts), "w+") as f:
         if rand:                    # random writes land in allocated units, as fio's do
             f.pwrite(h.new_cpu_locked_tensor(size, torch.uint8), 0)
         for write in (True, False):
+            # a sliding window, as fio keeps its iodepth: `window` requests in flight, the
+            # oldest waited for before the next goes (slot i % slots is then free again)
+            inflight: deque[aioswap.IOFuture] = deque()
             t0 = time.perf_counter()
-            for start in range(0, n, window):
-                for j, off in enumerate(offs[start:start + window]):
-                    view = buf[(j % slots) * bs:(j % slots + 1) * bs]
-                    if write:
-                        f.pwrite(view, off, async_op=True)
-                    else:
-                        f.pread(view, off, async_op=True)
-                f.wait()
+            for i, off in enumerate(offs):
+                if len(inflight) >= window:
+                    inflight.popleft().result()
+                view = buf[(i % slots) * bs:(i % slots + 1) * bs]
+                fut = f.pwrite(view, off, async_op=True) if write else \
+                    f.pread(view, off, async_op=True)
+                inflight.append(fut)
+            f.wait()
             rates.append(size / (time.perf_counter() - t0))
     drives = read_layout(parts[0])["drives"]
     share = max(drives.count(d) for d in range(len(parts))) / max(1, len(drives))

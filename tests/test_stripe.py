@@ -201,6 +201,75 @@ class _Late:
         return out
 
 
+def test_one_unit_async_requests_are_byte_exact_and_counted(tmp_path: Path) -> None:
+    """Asynchronous requests inside one placed unit run as the part's own request (no
+    callback): byte-exact at odd offsets and sizes, their futures name the striped file and
+    the logical offset, wait() counts them, and close() waits for those nobody waited for."""
+    parts = _parts(tmp_path, 3)
+    rng = random.Random(3)
+    ref = bytearray(_rand(12 * UNIT).tobytes())
+    with aioswap.AioHandle() as h:
+        f = h.open(parts, "w+", stripe=UNIT)
+        f.pwrite(np.frombuffer(bytes(ref), np.uint8), 0)
+        writes = []
+        for _ in range(30):
+            k = rng.randrange(12)
+            inner = rng.randrange(UNIT)
+            n = rng.randrange(1, UNIT - inner + 1)
+            data = _rand(n)
+            fut = f.pwrite(data, k * UNIT + inner, async_op=True)
+            assert isinstance(fut, aioswap.IOFuture)
+            assert (fut.file, fut.offset, fut.nbytes) == (f.name, k * UNIT + inner, n)
+            writes.append((fut, data, k * UNIT + inner))
+        assert f.wait() == 30
+        for fut, data, off in writes:       # in order: later writes win where they overlap
+            assert fut.result() == data.size
+            ref[off:off + data.size] = data.tobytes()
+        reads = []
+        for _ in range(30):
+            k = rng.randrange(12)
+            inner = rng.randrange(UNIT)
+            n = rng.randrange(1, UNIT - inner + 1)
+            out = torch.zeros(n, dtype=torch.uint8)
+            reads.append((f.pread(out, k * UNIT + inner, async_op=True), out, k * UNIT + inner))
+        f.close()                           # waits for them
+        for fut, out, off in reads:
+            assert fut.done() and fut.result() == out.numel()
+            assert out.numpy().tobytes() == bytes(ref[off:off + out.numel()])
+        with h.open(parts[::-1], "r") as g:
+            back = np.zeros(len(ref), np.uint8)
+            g.pread(back, 0)
+            assert back.tobytes() == bytes(ref)
+
+
+def test_units_are_dealt_in_proportion_to_speed_in_every_run(tmp_path: Path) -> None:
+    """The dispatcher deals new units by smooth weighted round-robin: equal drives strictly
+    in turn, and a drive at half speed every other turn, in every run of units (reads of a
+    run then wait on no drive more than its share)."""
+    parts = _parts(tmp_path, 4)
+    with aioswap.AioHandle() as h, h.open(parts, "w+", stripe=UNIT) as f:
+        f._peers = [[i] for i in range(4)]     # four drives (one disk in tests)
+        f._spb = [1e-9, 1e-9, 1e-9, 1e-9]
+        assert [f._choose(k) for k in range(12)] == [k % 4 for k in range(12)]
+        f._spb = [1e-9, 1e-9, 2e-9, 1e-9]        # part 2 at half speed: weights 8, 8, 4, 8
+        f._credit = [0, 0, 0, 0]
+        seq = [f._choose(k) for k in range(28 * 4)]
+        for start in range(0, len(seq), 28):
+            run = seq[start:start + 28]
+            assert [run.count(d) for d in range(4)] == [8, 8, 4, 8], run
+        for start in range(len(seq) - 7):       # any 7 consecutive: 2 of each fast drive
+            run = seq[start:start + 7]
+            assert all(abs(run.count(d) - 2) <= 1 for d in (0, 1, 3)) and \
+                run.count(2) <= 2, run
+        f._credit = [0, 10, 0, 0]               # part 1's turn, but it is full:
+        f._busy = [1, f._window, 1, 1]
+        assert f._choose(1) == -1 and f._credit == [0, 10, 0, 0]   # the unit waits
+        f._busy = [0, f._window, 0, 0]          # ... unless a drive is idle: the idle one
+        assert f._choose(1) == 3                # with the most credit (ties: from unit k)
+        assert f._credit == [8, 18, 4, 8 - 28]
+        f._busy = [0, 0, 0, 0]
+
+
 def test_parts_on_one_device_share_units_evenly(tmp_path: Path) -> None:
     """Parts on one device are one drive to the dispatcher: a large write spreads its units
     evenly over them (timed apart, one part of four took 40% of them), byte-exact back."""
