@@ -15,14 +15,19 @@ The logical file is cut into stripe units of ``stripe_unit`` bytes. Unit ``k`` l
 order its units are allocated. A unit is allocated by the first write that touches it:
 
 * units already allocated are rewritten where they are;
-* new units wait in the file's queue (request order) and each goes to the drive expected to
-  be free first (bytes in flight x its measured seconds per byte; ties: unit ``k`` to part
-  ``k mod N``, i.e. round-robin appends), each drive holding at most ``window`` pieces
-  (``queue_depth * block_size / stripe_unit``, between 2 and 8). So a drive at half the speed
-  of the others takes about half as many units, whether they come in one large write or in
-  many concurrent small ones; since the assignment is recorded, reads follow it. Parts are
-  extended ahead of their writes (ext4 runs an extending O_DIRECT write synchronously) and
-  trimmed on close;
+* new units wait in the file's queue (request order) and are dealt to the drives by smooth
+  weighted round-robin, each drive weighted by its measured speed relative to the median
+  drive's (in eighths; from 0.8 to 1.5 times that counts as equal, measurements jitter; a
+  drive not measured yet counts as typical; parts on one device share it): equal drives
+  take units strictly in turn (unit ``k`` to part ``k mod N`` for appends), a drive at half
+  the speed of the others every other turn. So any run of
+  consecutive units, not just the whole file, is spread in proportion to the drives' speeds,
+  and a read of that run waits on no drive longer than on the others. Each drive holds at
+  most ``window`` new pieces (``queue_depth * block_size / stripe_unit``, between 2 and 8);
+  when the drive whose turn it is is full, the unit waits for it, unless another drive is
+  idle (then that one takes it). Since the assignment is recorded, reads follow it. Parts
+  are extended ahead of their writes (ext4 runs an extending O_DIRECT write synchronously)
+  and trimmed on close;
 * units inside the file that no write touched (holes) are unallocated and read as zeros.
 
 Beside every part ``P`` lies ``P.stripe.json`` (mode 0600, plain JSON, no pickle)::
@@ -46,6 +51,12 @@ extended (``fallocate``) so every byte below ``L`` reads.
 
 Errors: a failing drive fails only the requests with a piece on it; the error is the one the
 drive's handle raised, naming the part file (so the drive) with its offset and size.
+
+Threads: a sync request on units already placed runs its pieces from the calling thread, and
+an asynchronous one that falls inside one placed unit is the part's own request (its future
+is the part's, naming the striped file and the logical offset). Only requests that place new
+units, stage a strided buffer, grow the file or fsync go through the file's queue, with a
+callback per piece run by the drive's completion thread.
 """
 from __future__ import annotations
 
@@ -85,7 +96,7 @@ _MAX_PARTS = 254
 _MIN_DEFAULT = 1 << 20      # default stripe unit: the block size, at least 1 MiB
 _ALIGN = 4096
 _AHEAD = 32 << 20           # parts are extended at least this far ahead of their writes
-_DECAY = 15 / 16            # a drive's speed: its last ~16 pieces (see _settle)
+_DECAY = 63 / 64            # a drive's speed: its last ~64 pieces (see _settle)
 _MODES = ("r", "r+", "w", "w+", "x", "a+")
 
 
@@ -656,14 +667,14 @@ class StripedFile:
     # -- the dispatcher -------------------------------------------------------------------
     # Pieces of units already placed go to their drive at once. New units wait in the file's
     # queue (in request order) and are dealt to the drives by smooth weighted round-robin:
-    # each drive's weight is its measured speed relative to the fastest, in steps of 1/8, so
-    # equal drives take units strictly in turn and a drive at half speed every other turn.
-    # Any run of consecutive units is then spread over the drives in proportion to their
-    # speeds, which is what a later read of that run needs (reads follow the layout); an
-    # earlier rule, "the drive expected to be free first", balanced the whole file but left
-    # runs of units uneven (one drive held 5 of 16 units, and reads of them waited on it).
-    # A drive holds at most `_window` pieces; when the one whose turn it is is full, the unit
-    # waits for it.
+    # each drive's weight is its measured speed relative to the median drive's (see
+    # _weights), so equal drives take units strictly in turn and a drive at half speed every
+    # other turn. Any run of consecutive units is then spread over the drives in proportion
+    # to their speeds, which is what a later read of that run needs (reads follow the
+    # layout); an earlier rule, "the drive expected to be free first", balanced the whole
+    # file but left runs of units uneven (one drive held 5 of 16 units, and reads of them
+    # waited on it). A drive holds at most `_window` pieces; when the one whose turn it is is
+    # full, the unit waits for it, unless another drive is idle.
     def _take(self, d: int, length: int, write: bool, now: float) -> None:
         """Count a piece in flight on drive ``d`` (the caller holds ``_lock``)."""
         if self._busy[d] == 0:
@@ -674,12 +685,17 @@ class StripedFile:
             self._dirty[d] = True
 
     def _weights(self) -> list[int]:
-        """Each part's share of new units, in eighths of the fastest drive's (1..8).
+        """Each part's share of new units, in eighths of a typical drive's (1..16).
 
         A drive's speed is its measured bytes per second; parts on one device are one drive
         (their timings averaged, their share split evenly: timed apart, the part that
         happened to hold fewer units looked slower, got fewer still, and one part of four on
-        a disk ended up with 40% of them). A drive not measured yet counts as the fastest.
+        a disk ended up with 40% of them). Speeds are taken relative to the median drive's,
+        and a drive from 0.8 to 1.5 times as fast as that counts as equal: four equal drives
+        capped at 315 MB/s each measured 2.2 to 3.4 ns per byte in one run (a throttled
+        drive that was idle a moment serves a burst fast), and weights that follow such
+        noise leave some drives more units than others. A drive at half speed gets 4, one at
+        twice the speed 16. A drive not measured yet counts as typical.
         """
         spb = self._spb
         n = len(spb)
@@ -687,11 +703,15 @@ class StripedFile:
         for d in range(n):
             seen = [spb[j] for j in self._peers[d] if spb[j] > 0.0]
             dev.append(sum(seen) / len(seen) if seen else 0.0)
-        known = [s for s in dev if s > 0.0]
+        known = sorted(s for s in dev if s > 0.0)
         if not known:
             return [8] * n
-        fastest = min(known)
-        return [8 if s == 0.0 else max(1, min(8, round(8 * fastest / s))) for s in dev]
+        ref = known[len(known) // 2]
+        out = []
+        for s in dev:
+            r = 1.0 if s == 0.0 else ref / s
+            out.append(8 if 0.8 <= r <= 1.5 else max(1, min(16, round(8 * r))))
+        return out
 
     def _choose(self, k: int) -> int:
         """The drive for new unit ``k``, or -1 to wait (the caller holds ``_lock``).
@@ -922,7 +942,7 @@ class StripedFile:
         self._inbytes[d] -= p.length
         if ok:
             # the drive was busy since _since[d]: this piece took that long of its time. Its
-            # speed is the busy time over the bytes of its last ~16 pieces (a ratio of sums:
+            # speed is the busy time over the bytes of its last ~64 pieces (a ratio of sums:
             # pieces that end together take 0 s each after the first, which an average of
             # per-piece ratios turned into a speed that swung with every batch)
             self._acc_t[d] = self._acc_t[d] * _DECAY + (now - self._since[d])

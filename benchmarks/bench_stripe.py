@@ -14,7 +14,8 @@ For each N in ``--drives`` and each request size (1 MiB sequential, 4 KiB random
 * ``btrfs raid0``: ``mkfs.btrfs -d raid0 -m raid0`` over the same throttled loops, fio on
   one file there (``numjobs`` = N, iodepth 32);
 * ``aioswap``: ``h.open([part on each drive], "w+")``, the whole transfer as async requests
-  of that size (at most 32 x N in flight), then read back the same way.
+  of that size, 32 x N in flight as fio keeps its iodepth (a sliding window: the oldest
+  waited for before the next is sent), then read back the same way.
 
 Then, for N = 4: a state dict of ``--size`` bytes (16 tensors) through
 ``TensorSwapper([a directory on each drive])`` (``swap_out_state_dict``, packs fsynced, then
