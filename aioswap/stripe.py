@@ -917,8 +917,10 @@ class StripedFile:
         while loose and loose[0][0].done():
             fu, p, d, write = loose.popleft()
             exc = fu.exception()
-            if exc is None and write:
-                self._extent[d] = max(self._extent[d], p.off + p.length)
+            if write:
+                self._dirty[d] = True           # (again: an fsync may have run meanwhile)
+                if exc is None:
+                    self._extent[d] = max(self._extent[d], p.off + p.length)
             self._ops -= 1
             self._unwaited += 1
             if exc is not None:
@@ -950,6 +952,8 @@ class StripedFile:
             self._spb[d] = self._acc_t[d] / self._acc_b[d] or 1e-12
             if write:
                 self._extent[d] = max(self._extent[d], p.off + p.length)
+        if write:
+            self._dirty[d] = True   # again: an fsync that ran while it was in flight missed it
         self._since[d] = now
 
     def _piece_done(self, o: _Op, d: int, p: _Piece, exc: BaseException | None) -> None:
@@ -1025,6 +1029,8 @@ class StripedFile:
     def fsync(self) -> None:
         """Make the data written so far and the layout durable."""
         self._check("fsync")
+        with self._lock:
+            self._sweep_locked()                # loose writes that finished: dirty parts
         self._save(durable=True)
 
     @property

@@ -243,6 +243,40 @@ def test_one_unit_async_requests_are_byte_exact_and_counted(tmp_path: Path) -> N
             assert back.tobytes() == bytes(ref)
 
 
+def test_fsync_covers_a_write_that_finished_after_an_earlier_fsync(tmp_path: Path) -> None:
+    """A write in flight while fsync() runs is not covered by it; the next fsync() after the
+    write finished fsyncs its part again (its part is marked written when it ends, too)."""
+    parts = _parts(tmp_path, 2)
+    with aioswap.AioHandle() as h, h.open(parts, "w+", stripe=UNIT) as f:
+        f.pwrite(_rand(4 * UNIT), 0)
+        f.fsync()
+        synced: list[int] = []
+        _slow_drive(f, 0, 0.3)
+        f._files = [_Spy(x, synced, i) for i, x in enumerate(f._files)]   # type: ignore[misc]
+        k = read_layout(parts[0])["drives"].index(0)        # a unit on part 0
+        fut = f.pwrite(_rand(100), k * UNIT + 5, async_op=True)
+        f.fsync()                           # runs while the write is in flight
+        assert fut.result() == 100
+        synced.clear()
+        f.fsync()
+        assert 0 in synced, synced
+        assert f.wait() == 1
+
+
+class _Spy:
+    """A part file that records its fsync calls (everything else is the file's)."""
+
+    def __init__(self, file: Any, log: list[int], i: int) -> None:
+        self._file, self._log, self._i = file, log, i
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+    def fsync(self) -> None:
+        self._log.append(self._i)
+        self._file.fsync()
+
+
 def test_units_are_dealt_in_proportion_to_speed_in_every_run(tmp_path: Path) -> None:
     """The dispatcher deals new units by smooth weighted round-robin: equal drives strictly
     in turn, and a drive at half speed every other turn, in every run of units (reads of a
