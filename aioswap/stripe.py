@@ -310,7 +310,7 @@ class StripedFile:
         self._since = [0.0] * nparts            # last completion (or start of a busy spell)
         self._credit = [0] * nparts             # smooth weighted round-robin (see _choose)
         self._queue: deque[tuple[_Op, _Piece]] = deque()     # new units waiting for a drive
-        self._loose: deque[tuple[IOFuture, _Piece, int, bool]] = deque()   # see _loose_one
+        self._loose: deque[tuple[IOFuture, int, int, bool]] = deque()      # see _one
         self._pumping = threading.local()
         self._pending: set[int] = set()         # allocated by a write still in flight
         self._dirty = [False] * nparts          # written since the last fsync
@@ -587,6 +587,10 @@ class StripedFile:
             offset = offset.__index__()
         if offset < 0:
             raise ValueError(f"negative file offset {offset} for {self.name}")
+        if nbytes is None and not fsync:
+            out = self._one(write, buffer, offset, async_op)
+            if out is not None:
+                return out
         flat, n, after = self._flat(buffer, write, nbytes, offset)
         if not write and n and offset + n > self._size:
             raise ShortReadError(f"read of {n} bytes at offset {offset} from {self.name} goes "
@@ -620,8 +624,6 @@ class StripedFile:
             if plain and async_op and len(fixed) == 1:
                 if self._loose:
                     self._sweep_locked()
-                if write:
-                    self._dirty[fixed[0][1]] = True
             else:
                 now = time.monotonic()
                 for p, d in fixed:
@@ -633,7 +635,9 @@ class StripedFile:
                     self._queue.extend((o, p) for p in dyn)
         if plain:
             if async_op:
-                return self._loose_one(write, flat, offset, fixed[0])
+                p, d = fixed[0]
+                return self._send_one(write, flat[p.at:p.at + p.length], offset, p.length, d,
+                                      p.off, True)
             return self._inline(write, flat, n, fixed)
         try:
             sent = 0
@@ -885,42 +889,89 @@ class StripedFile:
             raise min(errors, key=lambda e: e[0])[1]
         return n
 
-    def _loose_one(self, write: bool, flat: Any, offset: int, piece: tuple[_Piece, int]
-                   ) -> IOFuture:
-        """An asynchronous request of one piece on a placed unit (counted in by the caller):
-        the part's own future is the request's, with no callback (a callback is run by the
-        drive's completion thread, which then has to be woken for each request). The file
-        settles such requests later, in request order: each new request looks at the oldest
-        ones, and ``wait``/``close`` wait for all. The dispatcher does not count them (it
-        could not learn when they end); they are reads and rewrites of units already placed."""
-        p, d = piece
+    def _one(self, write: bool, buffer: Any, offset: int, async_op: bool
+             ) -> int | IOFuture | None:
+        """The common small request: a whole buffer inside one placed unit, below the end
+        of the file. It is the part's own request on the caller's buffer (the part file
+        checks the buffer, stages a strided or CUDA one, and names itself in errors), run
+        from the calling thread, or, asynchronous, with the part's future as the request's
+        (it names the striped file and the logical offset) and no callback: a callback is
+        run by the drive's completion thread, which then has to be woken for each request.
+        The file settles such futures later, in request order: each new one looks at the
+        oldest, ``fsync`` at the finished ones, ``wait``/``close`` wait for all. The
+        dispatcher does not count these requests (it could not learn when they end); they
+        are reads and rewrites of units already placed. None: the general path decides."""
+        n = getattr(buffer, "nbytes", None)
+        if type(n) is not int:
+            if type(buffer) is bytearray or (write and type(buffer) is bytes):
+                n = len(buffer)
+            else:
+                return None
+        unit = self._unit
+        k, inner = divmod(offset, unit)
+        if not 0 < n <= unit - inner or offset + n > self._size:
+            return None         # (a read past the end raises, a write that grows the file
+        with self._lock:        # changes the layout: both in the general path)
+            drive = self._drive
+            d = drive[k] if k < len(drive) else _NONE
+            if d == _NONE:
+                return None
+            off = self._slot[k] * unit + inner
+            self._ops += 1
+            if self._loose:
+                self._sweep_locked()
+        return self._send_one(write, buffer, offset, n, d, off, async_op)
+
+    def _send_one(self, write: bool, buffer: Any, offset: int, n: int, d: int, off: int,
+                  async_op: bool) -> int | IOFuture:
+        """Run (or, async, submit) a one-piece request on part ``d`` at part offset ``off``
+        (counted in ``_ops`` by the caller; see :meth:`_one`)."""
+        f = self._files[d]
         try:
-            view = flat[p.at:p.at + p.length]
-            fu = self._files[d].pwrite(view, p.off, async_op=True) if write else \
-                self._files[d].pread(view, p.off, async_op=True)
-            assert isinstance(fu, IOFuture)
+            if async_op:
+                fu = f.pwrite(buffer, off, async_op=True) if write else \
+                    f.pread(buffer, off, async_op=True)
+                assert isinstance(fu, IOFuture)
+            elif write:
+                f.pwrite(buffer, off)
+            else:
+                f.pread(buffer, off)
         except BaseException:
             with self._lock:
+                if write:
+                    self._dirty[d] = True
                 self._ops -= 1
                 if not self._ops:
                     self._idle.notify_all()
             raise
+        if not async_op:
+            with self._lock:
+                if write:
+                    self._dirty[d] = True
+                    self._extent[d] = max(self._extent[d], off + n)
+                self._ops -= 1
+                if not self._ops:
+                    self._idle.notify_all()
+            return n
+        assert isinstance(fu, IOFuture)
         fu.file = self.name                     # the request as the caller made it
         fu.offset = offset
         with self._lock:
-            self._loose.append((fu, p, d, write))
+            if write:
+                self._dirty[d] = True
+            self._loose.append((fu, d, off + n, write))
         return fu
 
     def _sweep_locked(self) -> None:
         """Settle the loose requests at the front that are over (the caller holds _lock)."""
         loose = self._loose
         while loose and loose[0][0].done():
-            fu, p, d, write = loose.popleft()
+            fu, d, end, write = loose.popleft()
             exc = fu.exception()
             if write:
                 self._dirty[d] = True           # (again: an fsync may have run meanwhile)
                 if exc is None:
-                    self._extent[d] = max(self._extent[d], p.off + p.length)
+                    self._extent[d] = max(self._extent[d], end)
             self._ops -= 1
             self._unwaited += 1
             if exc is not None:
