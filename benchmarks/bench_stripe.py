@@ -24,6 +24,10 @@ the 1 MiB ``fio sum``; and the uneven
 case (one drive capped at half speed): aioswap striped write and read against the sum of the
 caps (a static round-robin split would get about 4 x 0.5 / 3.5 = 0.57).
 
+``--ram-cpu OPS`` adds the CPU per 4 KiB read (``resource.getrusage``, all threads) of a file
+striped over 4 RAM drives (tmpfs mounts) against one plain file: what the striping layer
+costs per request, with no drive in the way.
+
 Units: GB/s (10^9 B/s); ratios are aioswap / other (bigger is better). Tiny defaults make a
 smoke test; ``--size 2G --cap 300M`` (choose N x cap <= 0.7 x the disk's own bandwidth) are
 real sizes. Figures taken while other work runs on the machine are rough.
@@ -34,6 +38,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
 import signal
 import subprocess
@@ -224,6 +229,69 @@ def aioswap_run(h: aioswap.AioHandle, parts: Sequence[str], bs: int, size: int,
     return rates[0], rates[1], share
 
 
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def ram_cpu(base: str, n: int, ops: int) -> dict[str, float]:
+    """CPU microseconds per 4 KiB read (all threads, best of 3) on ``n`` RAM drives (tmpfs
+    mounts under ``base``, removed after): a file striped over them against one plain file,
+    each sync, in bursts of ``32 x n`` then a wait, and in a sliding window of ``32 x n``."""
+    mnts: list[str] = []
+    size, bs, window = 64 << 20, 4096, QD * n
+    rng = random.Random(2)
+    offs = [rng.randrange(size // bs) * bs for _ in range(ops)]
+    out: dict[str, float] = {}
+    try:
+        for i in range(n):
+            m = os.path.join(base, f"ram{i}")
+            os.makedirs(m, exist_ok=True)
+            _run("mount", "-t", "tmpfs", "-o", f"size={2 * size + (64 << 20)}", "tmpfs", m)
+            mnts.append(m)
+        with aioswap.AioHandle() as h:
+            buf = h.new_cpu_locked_tensor(window * bs, torch.uint8)
+            views = [buf[i * bs:(i + 1) * bs] for i in range(window)]
+            data = h.new_cpu_locked_tensor(size, torch.uint8)
+            data.random_(0, 256)
+            with h.open(os.path.join(mnts[0], "plain.bin"), "w+") as pf, \
+                    h.open([os.path.join(m, "stripe.bin") for m in mnts], "w+") as sf:
+                pf.pwrite(data, 0)
+                sf.pwrite(data, 0)
+                del data
+                for name, f, wait in (("plain", pf, h.wait), ("striped", sf, sf.wait)):
+                    def sync() -> None:
+                        for off in offs:
+                            f.pread(views[0], off)
+
+                    def burst() -> None:
+                        for start in range(0, ops, window):
+                            for i, off in enumerate(offs[start:start + window]):
+                                f.pread(views[i], off, async_op=True)
+                            wait()
+
+                    def slide() -> None:
+                        inflight: deque[Any] = deque()
+                        for i, off in enumerate(offs):
+                            if len(inflight) >= window:
+                                inflight.popleft().result()
+                            inflight.append(f.pread(views[i % window], off, async_op=True))
+                        wait()
+
+                    for label, fn in (("sync", sync), (f"burst x{window}", burst),
+                                      (f"window x{window}", slide)):
+                        best = float("inf")
+                        for _ in range(3):
+                            c0 = _cpu_s()
+                            fn()
+                            best = min(best, (_cpu_s() - c0) / ops * 1e6)
+                        out[f"{name} {label}"] = best
+    finally:
+        for m in reversed(mnts):
+            subprocess.run(["umount", m], capture_output=True, check=False)
+    return out
+
+
 def swapper_run(h: aioswap.AioHandle, roots: Sequence[str],
                 size: int) -> tuple[float, float, float]:
     """A state dict of ``size`` bytes in 16 tensors through a TensorSwapper over ``roots``:
@@ -270,6 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--iops", type=int, default=2000, help="4 KiB IOPS per drive "
                    "(default: 2000)")
     p.add_argument("--no-btrfs", action="store_true", help="leave btrfs raid0 out")
+    p.add_argument("--ram-cpu", type=int, default=0, metavar="OPS",
+                   help="also CPU per 4 KiB read on 4 RAM drives (tmpfs): a striped file "
+                   "against one plain file, OPS reads each (default 0: skipped)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     reason = why_not()
@@ -337,8 +408,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   "caps_sum": caps_sum / GB, "aioswap": ar / GB,
                                   "vs_caps_sum": ar / caps_sum, "largest_share": share})
                 r.unmount()
+        cpu = ram_cpu(base, 4, args.ram_cpu) if args.ram_cpu else None
     report = {"cap_bytes_per_s": cap, "iops_cap": args.iops, "size": size, "small": small,
               "cases": cases, "units": UNITS_NOTE}
+    if cpu is not None:
+        report["ram_cpu_us_per_read"] = cpu
     if args.json:
         print(json.dumps(report))
         return 0
@@ -358,6 +432,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{'-' if share is None else f'{share:.2f}':>6}")
     print(f"({UNITS_NOTE}; 'one at half' rows compare with the sum of the caps; share: the "
           f"largest fraction of the stripe units one drive holds, 1/N when even)")
+    if cpu is not None:
+        print("\nCPU per 4 KiB read on 4 RAM drives (us, all threads, best of 3)")
+        for k, v in cpu.items():
+            print(f"  {k:<26}{v:8.1f}")
     return 0
 
 

@@ -179,7 +179,7 @@ def test_bench_stripe(tmp_dir: Path) -> None:
     base.mkdir()
     proc = subprocess.Popen([sys.executable, str(BENCHMARKS / "bench_stripe.py"), "--dir",
                              str(base), "--drives", "2", "--size", "4M", "--small", "256K",
-                             "--cap", "200M", "--iops", "4000", "--json"],
+                             "--cap", "200M", "--iops", "4000", "--ram-cpu", "512", "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=tmp_dir)
     cgroup = f"/sys/fs/cgroup/blkio/aioswap-bench-{proc.pid}"
@@ -205,6 +205,10 @@ def test_bench_stripe(tmp_dir: Path) -> None:
         assert c["aioswap"] > 0 and math.isfinite(c.get("vs_fio_sum", c.get("vs_caps_sum")))
     assert "GB/s = 10^9 bytes/s" in report["units"]
     assert not [p for p in base.iterdir() if p.suffix == ".img"]
+    cpu = report["ram_cpu_us_per_read"]
+    assert set(cpu) == {f"{f} {m}" for f in ("plain", "striped")
+                        for m in ("sync", "burst x128", "window x128")}
+    assert all(v > 0 for v in cpu.values())
 
 
 # -- benchmarks/_common.py -------------------------------------------------------------------------
