@@ -699,13 +699,16 @@ class StripedFile:
         capped at 315 MB/s each measured 2.2 to 3.4 ns per byte in one run (a throttled
         drive that was idle a moment serves a burst fast), and weights that follow such
         noise leave some drives more units than others. A drive at half speed gets 4, one at
-        twice the speed 16. A drive not measured yet counts as typical.
+        twice the speed 16. A drive counts as measured once it has about six units' worth of
+        history (the first pieces of a throttled drive may ride a burst allowance; a 16-unit
+        file had one drive take 5 of its units) and as typical until then.
         """
         spb = self._spb
         n = len(spb)
+        enough = 6 * self._unit
         dev: list[float] = []               # seconds per byte of each part's device
         for d in range(n):
-            seen = [spb[j] for j in self._peers[d] if spb[j] > 0.0]
+            seen = [spb[j] for j in self._peers[d] if self._acc_b[j] >= enough]
             dev.append(sum(seen) / len(seen) if seen else 0.0)
         known = sorted(s for s in dev if s > 0.0)
         if not known:
