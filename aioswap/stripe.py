@@ -307,6 +307,7 @@ class StripedFile:
         self._spb = [0.0] * nparts              # 0: not measured yet
         self._acc_t = [0.0] * nparts            # decayed busy seconds and bytes (_settle)
         self._acc_b = [0.0] * nparts
+        self._acc_n = [0.0] * nparts            # ... and pieces
         self._since = [0.0] * nparts            # last completion (or start of a busy spell)
         self._credit = [0] * nparts             # smooth weighted round-robin (see _choose)
         self._queue: deque[tuple[_Op, _Piece]] = deque()     # new units waiting for a drive
@@ -699,16 +700,15 @@ class StripedFile:
         capped at 315 MB/s each measured 2.2 to 3.4 ns per byte in one run (a throttled
         drive that was idle a moment serves a burst fast), and weights that follow such
         noise leave some drives more units than others. A drive at half speed gets 4, one at
-        twice the speed 16. A drive counts as measured once it has about six units' worth of
-        history (the first pieces of a throttled drive may ride a burst allowance; a 16-unit
+        twice the speed 16. A drive counts as measured once about six of its pieces have
+        ended (the first pieces of a throttled drive may ride a burst allowance; a 16-unit
         file had one drive take 5 of its units) and as typical until then.
         """
         spb = self._spb
         n = len(spb)
-        enough = 6 * self._unit
         dev: list[float] = []               # seconds per byte of each part's device
         for d in range(n):
-            seen = [spb[j] for j in self._peers[d] if self._acc_b[j] >= enough]
+            seen = [spb[j] for j in self._peers[d] if self._acc_n[j] >= 6.0]
             dev.append(sum(seen) / len(seen) if seen else 0.0)
         known = sorted(s for s in dev if s > 0.0)
         if not known:
@@ -1003,6 +1003,7 @@ class StripedFile:
             # per-piece ratios turned into a speed that swung with every batch)
             self._acc_t[d] = self._acc_t[d] * _DECAY + (now - self._since[d])
             self._acc_b[d] = self._acc_b[d] * _DECAY + max(p.length, _ALIGN)
+            self._acc_n[d] = self._acc_n[d] * _DECAY + 1
             self._spb[d] = self._acc_t[d] / self._acc_b[d] or 1e-12
             if write:
                 self._extent[d] = max(self._extent[d], p.off + p.length)

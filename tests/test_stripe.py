@@ -350,9 +350,9 @@ def test_units_are_dealt_in_proportion_to_speed_in_every_run(tmp_path: Path) -> 
         f._spb = [1e-9, 1e-9, 1e-9, 1e-9]
         assert [f._choose(k) for k in range(12)] == [k % 4 for k in range(12)]
         f._spb = [1e-9, 1e-9, 2e-9, 1e-9]        # part 2 at half speed: weights 8, 8, 4, 8
-        f._acc_b = [5.0 * UNIT] * 4
-        assert f._weights() == [8] * 4          # ... once measured over ~6 units
-        f._acc_b = [6.0 * UNIT] * 4
+        f._acc_n = [5.0] * 4
+        assert f._weights() == [8] * 4          # ... once ~6 pieces of each have ended
+        f._acc_n = [6.0] * 4
         assert f._weights() == [8, 8, 4, 8]
         f._credit = [0, 0, 0, 0]
         seq = [f._choose(k) for k in range(28 * 4)]
