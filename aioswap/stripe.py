@@ -963,6 +963,7 @@ class StripedFile:
             if write:
                 self._dirty[d] = True
             self._loose.append((fu, d, off + n, write))
+            self._idle.notify_all()             # a wait() that found none: settle this one
         return fu
 
     def _sweep_locked(self) -> None:
@@ -991,6 +992,18 @@ class StripedFile:
                     return
                 fu = self._loose[0][0]
             first_error([fu])
+
+    def _quiesce(self) -> None:
+        """Wait until no request of this file is in flight. Loose requests (see :meth:`_one`)
+        end only when someone settles them, so this settles them as they come: one sent by
+        another thread after this looked wakes it (``_send_one``)."""
+        while True:
+            self._sweep()
+            with self._lock:
+                if not self._ops:
+                    return
+                if not self._loose:
+                    self._idle.wait()
 
     def _settle(self, d: int, p: _Piece, write: bool, ok: bool, now: float) -> None:
         """Piece ``p`` on drive ``d`` is over (the caller holds ``_lock``)."""
@@ -1071,10 +1084,8 @@ class StripedFile:
     def wait(self) -> int:
         """Finish every asynchronous request of this file; how many finished since the last
         ``wait()``; then raise the first error among them."""
-        self._sweep()
+        self._quiesce()
         with self._lock:
-            while self._ops:
-                self._idle.wait()
             n, errors = self._unwaited, self._errors
             self._unwaited, self._errors = 0, []
         if errors:
@@ -1096,10 +1107,7 @@ class StripedFile:
         """Wait for the requests in flight, save the layout, close the parts. Idempotent."""
         if self._closed:
             return
-        self._sweep()
-        with self._lock:
-            while self._ops:
-                self._idle.wait()
+        self._quiesce()
         try:
             if self.writable:
                 self._trim()

@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -338,6 +339,53 @@ def test_threads_mixing_every_route_stay_byte_exact(tmp_path: Path) -> None:
         back = np.zeros(len(ref), np.uint8)
         g.pread(back, 0)
         assert back.tobytes() == bytes(ref)
+
+
+class _Gate:
+    """A part file whose asynchronous reads are sent only once ``go`` is set."""
+
+    def __init__(self, file: Any, go: threading.Event, entered: threading.Event) -> None:
+        self._file, self._go, self._entered = file, go, entered
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+    def pread(self, view: Any, off: int, async_op: bool = False) -> Any:
+        if async_op:
+            self._entered.set()
+            self._go.wait()
+        return self._file.pread(view, off, async_op=async_op)
+
+
+def test_wait_settles_a_request_sent_while_it_waits(tmp_path: Path) -> None:
+    """wait() from one thread while another thread is sending a one-unit request (counted,
+    not yet queued): wait() returns once that request is done, it does not hang."""
+    parts = _parts(tmp_path, 2)
+    data = _rand(4 * UNIT)
+    with aioswap.AioHandle() as h, h.open(parts, "w+", stripe=UNIT) as f:
+        f.pwrite(data, 0)
+        go, entered = threading.Event(), threading.Event()
+        f._files = [_Gate(x, go, entered) for x in f._files]     # type: ignore[misc]
+        out = np.zeros(100, np.uint8)
+        futs: list[Any] = []
+        sender = threading.Thread(target=lambda: futs.append(f.pread(out, UNIT + 3,
+                                                                     async_op=True)))
+        sender.start()
+        assert entered.wait(10)
+        counts: list[int] = []
+        waiter = threading.Thread(target=lambda: counts.append(f.wait()))
+        waiter.start()
+        time.sleep(0.2)                 # the waiter found nothing to settle and sleeps
+        go.set()
+        sender.join(10)
+        waiter.join(10)
+        hung = waiter.is_alive()
+        if hung:
+            futs[0].result()
+            f._quiesce()                # let the test end; the assertion below fails
+        assert not hung, "wait() missed a request sent while it waited"
+        assert counts == [1] and futs[0].result() == 100
+        assert (out == data[UNIT + 3:UNIT + 103]).all()
 
 
 def test_units_are_dealt_in_proportion_to_speed_in_every_run(tmp_path: Path) -> None:
