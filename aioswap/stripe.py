@@ -622,7 +622,7 @@ class StripedFile:
             plain = not dyn and after is None and not fsync and \
                 (not write or offset + n <= self._size)
             self._ops += 1
-            if plain and async_op and len(fixed) == 1:
+            if plain and async_op and len(fixed) == 1 and fixed[0][0].length == n:
                 if self._loose:
                     self._sweep_locked()
             else:

@@ -242,6 +242,13 @@ def test_one_unit_async_requests_are_byte_exact_and_counted(tmp_path: Path) -> N
             back = np.zeros(len(ref), np.uint8)
             g.pread(back, 0)
             assert back.tobytes() == bytes(ref)
+        with h.open(parts, "r+") as g:     # one placed piece and a hole: the whole count
+            g.pwrite(np.full(10, 7, np.uint8), 13 * UNIT)       # unit 12 stays a hole
+            out = torch.ones(UNIT, dtype=torch.uint8)
+            fut = g.pread(out, 11 * UNIT + UNIT // 2, async_op=True)
+            assert isinstance(fut, aioswap.IOFuture) and fut.result() == UNIT
+            assert out[:UNIT // 2].numpy().tobytes() == bytes(ref[-(UNIT // 2):])
+            assert not out[UNIT // 2:].any()
 
 
 def test_fsync_covers_a_write_that_finished_after_an_earlier_fsync(tmp_path: Path) -> None:
