@@ -192,9 +192,9 @@ struct uring_rsrc_update2_ {                /* struct io_uring_rsrc_update2 */
  * fails with EINVAL (setup steps down to plain). register_errno: uring_register_buffer
  * fails with it. files_errno: the table of registered files is refused at setup (the ring
  * then names every file by its fd). cqe_eagain = N: the next N read/write CQEs are taken as
- * -EAGAIN (and re-queued). cqe_short = N: the next N read/write CQEs with res >= 8192 come back short:
- * half, rounded down to a multiple of 4096, so an O_DIRECT queue does not take it for the
- * end of the file (the kernel moved it all; the queue moves the rest again). */
+ * -EAGAIN (and re-queued). cqe_short = N: the next N read/write CQEs with res >= 8192 come
+ * back short: half, rounded down to a multiple of 4096, so an O_DIRECT queue does not take
+ * it for the end of the file (the kernel moved it all; the queue moves the rest again). */
 typedef struct uring_faults {
     int setup_errno;
     int einval_flags;

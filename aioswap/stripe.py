@@ -304,10 +304,9 @@ class StripedFile:
         # the dispatcher (see _pump): pieces, bytes and seconds per byte of each drive
         self._busy = [0] * nparts
         self._inbytes = [0] * nparts
-        self._spb = [0.0] * nparts              # 0: not measured yet
-        self._acc_t = [0.0] * nparts            # decayed busy seconds and bytes (_settle)
+        self._acc_t = [0.0] * nparts            # decayed busy seconds and bytes (_settle):
         self._acc_b = [0.0] * nparts
-        self._acc_n = [0.0] * nparts            # ... and pieces
+        self._acc_n = [0.0] * nparts            # their ratio is the speed; and pieces
         self._since = [0.0] * nparts            # last completion (or start of a busy spell)
         self._credit = [0] * nparts             # smooth weighted round-robin (see _choose)
         self._queue: deque[tuple[_Op, _Piece]] = deque()     # new units waiting for a drive
@@ -704,11 +703,11 @@ class StripedFile:
         ended (the first pieces of a throttled drive may ride a burst allowance; a 16-unit
         file had one drive take 5 of its units) and as typical until then.
         """
-        spb = self._spb
-        n = len(spb)
+        t, b = self._acc_t, self._acc_b
+        n = len(t)
         dev: list[float] = []               # seconds per byte of each part's device
         for d in range(n):
-            seen = [spb[j] for j in self._peers[d] if self._acc_n[j] >= 6.0]
+            seen = [t[j] / b[j] or 1e-12 for j in self._peers[d] if self._acc_n[j] >= 6.0]
             dev.append(sum(seen) / len(seen) if seen else 0.0)
         known = sorted(s for s in dev if s > 0.0)
         if not known:
@@ -883,9 +882,7 @@ class StripedFile:
             with self._lock:
                 for (p, d), good in zip(pieces, ok):
                     self._settle(d, p, write, good, now)
-                self._ops -= 1
-                if not self._ops:
-                    self._idle.notify_all()
+                self._op_over()
             if self._queue:
                 self._pump()                    # a drive has room again for queued units
         if errors:
@@ -943,18 +940,14 @@ class StripedFile:
             with self._lock:
                 if write:
                     self._dirty[d] = True
-                self._ops -= 1
-                if not self._ops:
-                    self._idle.notify_all()
+                self._op_over()
             raise
         if not async_op:
             with self._lock:
                 if write:
                     self._dirty[d] = True
                     self._extent[d] = max(self._extent[d], off + n)
-                self._ops -= 1
-                if not self._ops:
-                    self._idle.notify_all()
+                self._op_over()
             return n
         assert isinstance(fu, IOFuture)
         fu.file = self.name                     # the request as the caller made it
@@ -966,6 +959,13 @@ class StripedFile:
             self._idle.notify_all()             # a wait() that found none: settle this one
         return fu
 
+    def _op_over(self) -> None:
+        """A request of this file is over (the caller holds ``_lock``): wake ``wait``/``close``
+        when it was the last."""
+        self._ops -= 1
+        if not self._ops:
+            self._idle.notify_all()
+
     def _sweep_locked(self) -> None:
         """Settle the loose requests at the front that are over (the caller holds _lock)."""
         loose = self._loose
@@ -976,12 +976,10 @@ class StripedFile:
                 self._dirty[d] = True           # (again: an fsync may have run meanwhile)
                 if exc is None:
                     self._extent[d] = max(self._extent[d], end)
-            self._ops -= 1
             self._unwaited += 1
             if exc is not None:
                 self._errors.append(exc)
-        if not self._ops:
-            self._idle.notify_all()
+            self._op_over()
 
     def _sweep(self) -> None:
         """Wait for every loose request and settle it."""
@@ -1017,7 +1015,6 @@ class StripedFile:
             self._acc_t[d] = self._acc_t[d] * _DECAY + (now - self._since[d])
             self._acc_b[d] = self._acc_b[d] * _DECAY + max(p.length, _ALIGN)
             self._acc_n[d] = self._acc_n[d] * _DECAY + 1
-            self._spb[d] = self._acc_t[d] / self._acc_b[d] or 1e-12
             if write:
                 self._extent[d] = max(self._extent[d], p.off + p.length)
         if write:
@@ -1070,9 +1067,7 @@ class StripedFile:
                 self._unwaited += 1
                 if error is not None:
                     self._errors.append(error)
-            self._ops -= 1
-            if not self._ops:
-                self._idle.notify_all()
+            self._op_over()
         o.done.set()
         if fut is not None:
             if error is None:

@@ -17,6 +17,7 @@ import json
 import math
 import mmap
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -134,6 +135,13 @@ def timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def cpu_s() -> float:
+    """CPU seconds this process has used so far, every thread, user and system
+    (``resource.getrusage``)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def freed(d: dict[Any, Any]) -> float:

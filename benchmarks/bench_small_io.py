@@ -45,7 +45,6 @@ import concurrent.futures
 import json
 import os
 import random
-import resource
 import shutil
 import statistics
 import subprocess
@@ -56,6 +55,7 @@ import time
 import torch
 
 import aioswap
+from _common import cpu_s
 from aioswap import pinned
 from aioswap.tune import drop_cache   # fsync + POSIX_FADV_DONTNEED, as every bench
 
@@ -74,11 +74,6 @@ def human(n: int) -> str:
         if n >= k and n % k == 0:
             return f"{n // k}{unit}"
     return str(n)
-
-
-def cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def fio(path: str, rw: str, bs: int, qd: int, nbytes: int, file_size: int,

@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import shutil
 import signal
 import subprocess
@@ -53,7 +52,7 @@ from typing import Any
 import torch
 
 import aioswap
-from _common import GB, UNITS_NOTE, size_arg
+from _common import GB, UNITS_NOTE, cpu_s, size_arg
 from aioswap.stripe import read_layout
 from aioswap.swap import TensorSwapper
 
@@ -238,11 +237,6 @@ def aioswap_run(h: aioswap.AioHandle, parts: Sequence[str], bs: int, size: int,
     return rates[0], rates[1], share
 
 
-def _cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def ram_cpu(base: str, n: int, ops: int) -> dict[str, float]:
     """CPU microseconds per 4 KiB read (all threads, best of 3) on ``n`` RAM drives (tmpfs
     mounts under ``base``, removed after): a file striped over them against one plain file,
@@ -291,9 +285,9 @@ def ram_cpu(base: str, n: int, ops: int) -> dict[str, float]:
                                       (f"window x{window}", slide)):
                         best = float("inf")
                         for _ in range(3):
-                            c0 = _cpu_s()
+                            c0 = cpu_s()
                             fn()
-                            best = min(best, (_cpu_s() - c0) / ops * 1e6)
+                            best = min(best, (cpu_s() - c0) / ops * 1e6)
                         out[f"{name} {label}"] = best
     finally:
         for m in reversed(mnts):

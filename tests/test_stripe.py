@@ -402,9 +402,10 @@ def test_units_are_dealt_in_proportion_to_speed_in_every_run(tmp_path: Path) -> 
     parts = _parts(tmp_path, 4)
     with aioswap.AioHandle() as h, h.open(parts, "w+", stripe=UNIT) as f:
         f._peers = [[i] for i in range(4)]     # four drives (one disk in tests)
-        f._spb = [1e-9, 1e-9, 1e-9, 1e-9]
+        f._acc_b = [1e9] * 4                    # busy seconds over bytes: the speed
+        f._acc_t = [1.0, 1.0, 1.0, 1.0]
         assert [f._choose(k) for k in range(12)] == [k % 4 for k in range(12)]
-        f._spb = [1e-9, 1e-9, 2e-9, 1e-9]        # part 2 at half speed: weights 8, 8, 4, 8
+        f._acc_t = [1.0, 1.0, 2.0, 1.0]         # part 2 at half speed: weights 8, 8, 4, 8
         f._acc_n = [5.0] * 4
         assert f._weights() == [8] * 4          # ... once ~6 pieces of each have ended
         f._acc_n = [6.0] * 4
