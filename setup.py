@@ -41,7 +41,7 @@ extensions = [
     # Raw syscalls: no liburing, no libaio, no libaio-dev (the headers are the kernel's).
     Extension("aioswap._aio", ["aioswap/_aio.pyx"], extra_compile_args=_CFLAGS,
               extra_link_args=_LDFLAGS,
-              depends=["aioswap/_uring.h", "aioswap/_kthreads.h"]),
+              depends=["aioswap/_uring.h", "aioswap/_kthreads.h", "aioswap/_statlite.h"]),
     # cuFile is dlopen'ed at run time: no CUDA headers or libraries at build time.
     Extension("aioswap._cufile", ["aioswap/_cufile.pyx"], libraries=["dl"],
               extra_compile_args=_CFLAGS, extra_link_args=_LDFLAGS),

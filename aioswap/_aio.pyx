@@ -565,19 +565,51 @@ cdef class LockedMemory:
 from libc.string cimport memcpy
 from posix.fcntl cimport F_GETFL
 from posix.fcntl cimport fcntl as c_fcntl
-from posix.stat cimport fstat, struct_stat
 from posix.unistd cimport ftruncate, getpid, pread, pwrite
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from posix.uio cimport iovec
 
 
+cdef extern from "_statlite.h" nogil:
+    ctypedef struct stat_lite:
+        unsigned mode
+        uint64_t dev
+        uint64_t ino
+        int64_t size
+        uint64_t nlink
+    int stat_lite_at(int dirfd, const char* path, int flags, stat_lite* out)
+    int AT_FDCWD
+    int AT_EMPTY_PATH
+
+
 def fsize(int fd):
-    """``fstat(fd).st_size`` without building a ``stat_result`` (a read asks it each time)."""
-    cdef struct_stat st
-    cdef int ret = fstat(fd, &st)       # the GIL stays: an inode's attributes, no I/O
+    """The size of the file behind ``fd`` (``statx`` without the times: see _statlite.h),
+    without building a ``stat_result`` (a read asks it each time)."""
+    cdef stat_lite st
+    cdef int ret = stat_lite_at(fd, b"", AT_EMPTY_PATH, &st)   # the GIL stays: no I/O
     if ret < 0:
         raise OSError(errno, os.strerror(errno))
-    return st.st_size
+    return st.size
+
+
+def stat_lite_of(file):
+    """``(st_mode, st_dev, st_ino, st_size, st_nlink)`` of an fd or a path (followed), as
+    ``os.stat`` gives them, but asked without the timestamps, so that the query does not make
+    the next write to the file stamp (and dirty) its inode (see _statlite.h). Raises
+    ``OSError`` as ``os.stat`` does."""
+    cdef stat_lite st
+    cdef int ret
+    cdef bytes path
+    if type(file) is int:
+        ret = stat_lite_at(<int>file, b"", AT_EMPTY_PATH, &st)
+    else:
+        path = os.fsencode(file)
+        if b"\0" in path:
+            raise ValueError("embedded null byte")
+        ret = stat_lite_at(AT_FDCWD, path, 0, &st)
+    if ret < 0:
+        raise OSError(errno, os.strerror(errno), file if not isinstance(file, int) else None)
+    return (st.mode, st.dev, st.ino, st.size, st.nlink)
 
 
 cdef enum:
@@ -1039,7 +1071,7 @@ cdef void _fixup(_Slot* sl) noexcept nogil:
     block's read returned), the request's bytes, and room for every write in flight on the
     file (their ends are in ``logical_end``), so no concurrent writer loses data.
     """
-    cdef struct_stat st
+    cdef stat_lite st
     cdef _Req* r = sl.req
     cdef int64_t end = sl.foff + <int64_t>(sl.skip + sl.ulen)
     cdef int e = 0
@@ -1048,9 +1080,9 @@ cdef void _fixup(_Slot* sl) noexcept nogil:
     pt.pthread_mutex_lock(&_edge_mu)
     if r.file.logical_end > end:
         end = r.file.logical_end
-    if fstat(r.fd, &st) != 0:
+    if stat_lite_at(r.fd, b"", AT_EMPTY_PATH, &st) != 0:
         e = errno
-    elif st.st_size > end:
+    elif st.size > end:
         if ftruncate(r.fd, end) != 0:
             e = errno
     pt.pthread_mutex_unlock(&_edge_mu)
@@ -2583,7 +2615,6 @@ from posix.unistd cimport close as c_close
 
 
 cdef extern from "<sys/stat.h>" nogil:
-    int c_stat "stat"(const char* path, struct_stat* buf)
     bint S_ISREG(int mode)
     bint S_ISBLK(int mode)
 
@@ -2671,7 +2702,8 @@ cdef class AioFile:
         return self._inode.state
 
     def size(self):
-        """The file's size now (``fstat``; block devices: the device size)."""
+        """The file's size now (``statx`` without the times, see :func:`fsize`; block
+        devices: the device size)."""
         cdef uint64_t n = 0
         if not self.block_device:
             return fsize(self._fd)
@@ -3118,8 +3150,9 @@ def cached_hit(h, file, bint write):
     the request (see ``AioHandle._cached``), pinned (counted as in use); None for anything
     else, which ``AioHandle._cached`` then opens or refuses with its error.
 
-    One ``stat`` (path) or ``fcntl(F_GETFL)`` + ``fstat`` (fd) says which file the argument
-    is now (device, inode) and, for an fd, whether its access mode allows the request.
+    One ``statx`` (path; fd: ``fcntl(F_GETFL)`` + ``statx``), without the timestamps (see
+    _statlite.h), says which file the argument is now (device, inode) and, for an fd,
+    whether its access mode allows the request.
     """
     cdef int64_t size
     return _cached_hit(h, file, write, &size)
@@ -3127,14 +3160,14 @@ def cached_hit(h, file, bint write):
 
 cdef object _cached_hit(h, file, bint write, int64_t* size):
     # cached_hit; *size: the file's size by that same stat (block devices: -1, unknown)
-    cdef struct_stat st
+    cdef stat_lite st
     cdef int fl, fd
     if type(file) is int:
         if not 0 <= file < 0x7fffffff:
             return None
         fd = file
         fl = c_fcntl(fd, F_GETFL)
-        if fl < 0 or fstat(fd, &st) < 0:
+        if fl < 0 or stat_lite_at(fd, b"", AT_EMPTY_PATH, &st) < 0:
             return None
         if write:
             if fl & O_ACCMODE == O_RDONLY or fl & O_APPEND:
@@ -3148,11 +3181,11 @@ cdef object _cached_hit(h, file, bint write, int64_t* size):
             path = os.fsencode(file)
         else:
             return None                     # a bool, a float, ...: the slow path refuses it
-        if b"\0" in path or c_stat(path, &st) < 0:
+        if b"\0" in path or stat_lite_at(AT_FDCWD, path, 0, &st) < 0:
             return None
-    if not (S_ISREG(st.st_mode) or S_ISBLK(st.st_mode)):
+    if not (S_ISREG(st.mode) or S_ISBLK(st.mode)):
         return None
-    key = (st.st_dev, st.st_ino)
+    key = (st.dev, st.ino)
     lock = h._lock
     lock.acquire()
     try:
@@ -3161,7 +3194,7 @@ cdef object _cached_hit(h, file, bint write, int64_t* size):
         if (f is not None and (f.writable or not write)
                 and (<AioFile>f).pin()):   # pinned: unpinned by the request's end
             files.move_to_end(key)
-            size[0] = -1 if S_ISBLK(st.st_mode) else st.st_size
+            size[0] = -1 if S_ISBLK(st.mode) else st.size
             return f
     finally:
         lock.release()
@@ -3220,7 +3253,7 @@ cdef object _short(h, bint write, t, AioFile f, offset, int how, arg, list sink,
     cdef Ticket ticket = None
     cdef Request rq
     cdef ShortQueued sq
-    cdef struct_stat st
+    cdef stat_lite lst
     if _f_layout is None:
         _f_layout = _f_handle._short_layout
     if (type(offset) is not int or offset < 0 or offset > _OFF_MAX or f._handle is not h
@@ -3248,10 +3281,10 @@ cdef object _short(h, bint write, t, AioFile f, offset, int how, arg, list sink,
         # another process truncated would zero-fill the destination past the data
         if known >= 0:
             size = known                    # stat-ed by this request a moment ago
-        elif f.block_device or fstat(fd, &st) < 0:
-            size = f.size()                 # (raises what fstat met)
+        elif f.block_device or stat_lite_at(fd, b"", AT_EMPTY_PATH, &lst) < 0:
+            size = f.size()                 # (raises what the stat met)
         else:
-            size = st.st_size
+            size = lst.size
         if off + <int64_t>n > size:
             return _f_slow                  # raises ShortReadError before any I/O
     addr = t.data_ptr()

@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from aioswap import _aio
 from aioswap._buffers import resolve
 from aioswap._files import DEFAULT_FILE_MODE, PathLike
 from aioswap._util import first_error, flat_bytes, fsync_dir, round_up
@@ -361,7 +362,7 @@ class StripedFile:
             # parts on one device share its speed (their own timings only split it)
             self._peers = [[j for j, e in enumerate(self._devs) if e == dev]
                            for dev in self._devs]
-            self._extent = [os.fstat(f.fileno()).st_size for f in self._files]
+            self._extent = [_aio.fsize(f.fileno()) for f in self._files]
             self._reserved = list(self._extent)
             if doc is None:
                 self._closed = False
@@ -485,7 +486,7 @@ class StripedFile:
                     needs.append((i, need))
         for i, need in needs:
             fd = self._files[i].fileno()
-            have = os.fstat(fd).st_size
+            have = _aio.fsize(fd)       # no times asked (see aioswap/_statlite.h)
             if have < need:
                 os.posix_fallocate(fd, need - 1, 1)     # extends, never shrinks
             with self._lock:
@@ -823,7 +824,7 @@ class StripedFile:
         for i, need in cuts:
             fd = self._files[i].fileno()
             try:
-                if os.fstat(fd).st_size > need:
+                if _aio.fsize(fd) > need:
                     os.ftruncate(fd, need)
             except OSError:
                 pass                # a failing drive: its part keeps the slack

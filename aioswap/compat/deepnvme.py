@@ -43,7 +43,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Union
 
-from aioswap import pinned
+from aioswap import _aio, pinned
 from aioswap.handle import AioHandle, IOFuture
 from aioswap.stripe import LAYOUT_SUFFIX, StripedFile, open_striped
 
@@ -167,8 +167,10 @@ class _Stripes:
     def get(self, p: str, roots: list[str], write: bool, like: AioHandle) -> StripedFile:
         with self._lock:
             try:
-                st = os.stat(p)
-                key: tuple[int, int] | None = (st.st_dev, st.st_ino)
+                # no timestamps asked: a query of them makes the next write stamp the inode
+                # (see aioswap/_statlite.h), and DeepSpeed writes these files again and again
+                _, dev, ino, _, _ = _aio.stat_lite_of(p)
+                key: tuple[int, int] | None = (dev, ino)
             except FileNotFoundError:
                 key = None
             got = self._files.get(p)
@@ -191,8 +193,8 @@ class _Stripes:
                 self._handle = AioHandle.from_config(like.config)
             mode = "r+" if key is not None and os.path.exists(p + LAYOUT_SUFFIX) else "w"
             f = open_striped(self._handle, parts, mode)
-            st = os.stat(p)
-            self._files[p] = ((st.st_dev, st.st_ino), f)
+            _, dev, ino, _, _ = _aio.stat_lite_of(p)
+            self._files[p] = ((dev, ino), f)
             while len(self._files) > _MAX_STRIPED_OPEN:
                 self._files.popitem(last=False)[1][1].close()    # waits for its requests
             return f
@@ -524,7 +526,7 @@ def aio_read(buffer: Any, filename: FileArg, block_size: int, queue_depth: int,
         When the file's size is not the buffer's size (DeepNVMe asserts they are equal).
     """
     nbytes = _nbytes(buffer)
-    size = os.fstat(filename).st_size if isinstance(filename, int) else os.stat(filename).st_size
+    size = _aio.stat_lite_of(filename)[3]
     if size != nbytes:
         raise ValueError(f"aio_read: {filename!r} has {size} bytes but the buffer has "
                          f"{nbytes}; they must be equal")
