@@ -580,6 +580,16 @@ cdef extern from "_statlite.h" nogil:
     int stat_lite_at(int dirfd, const char* path, int flags, stat_lite* out)
     int AT_FDCWD
     int AT_EMPTY_PATH
+    int statlite_nostatx_
+
+
+def _statlite_fallback(bint on):
+    """Tests only: ask ``fstatat`` instead of ``statx`` (as where statx is refused); returns
+    the previous setting."""
+    global statlite_nostatx_
+    old = bool(statlite_nostatx_)
+    statlite_nostatx_ = 1 if on else 0
+    return old
 
 
 def fsize(int fd):

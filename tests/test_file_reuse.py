@@ -313,7 +313,16 @@ def test_a_file_counts_its_requests_across_threads(tmp_path: Path) -> None:
                 f.pread(torch.empty(16, dtype=torch.uint8), 0)
 
 
-def test_stat_lite_matches_os_stat(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fallback", [False, True], ids=["statx", "fstatat"])
+def test_stat_lite_matches_os_stat(tmp_path: Path, fallback: bool) -> None:
+    old = aioswap._aio._statlite_fallback(fallback)
+    try:
+        _stat_lite_matches_os_stat(tmp_path)
+    finally:
+        aioswap._aio._statlite_fallback(old)
+
+
+def _stat_lite_matches_os_stat(tmp_path: Path) -> None:
     p = _write(tmp_path / "f.bin", os.urandom(12345))
     os.link(p, tmp_path / "g.bin")
     fd = os.open(p, os.O_RDONLY)
