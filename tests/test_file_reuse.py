@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -329,8 +330,8 @@ def _stat_lite_matches_os_stat(tmp_path: Path) -> None:
     try:
         for arg in (str(p), p, os.fsencode(p), fd, str(tmp_path)):
             st = os.stat(arg)
-            assert aioswap._aio.stat_lite_of(arg) == (st.st_mode, st.st_dev, st.st_ino,
-                                                       st.st_size, st.st_nlink)
+            want = (st.st_mode, st.st_dev, st.st_ino, st.st_size, st.st_nlink)
+            assert aioswap._aio.stat_lite_of(arg) == want
         assert aioswap._aio.fsize(fd) == 12345
     finally:
         os.close(fd)
@@ -349,17 +350,32 @@ def test_requests_do_not_ask_the_timestamps(tmp_path: Path, route: str, how: str
     must not ask for ctime/mtime. On file systems with multigrain timestamps (ext4, xfs,
     btrfs, tmpfs since Linux 6.13) such a query makes the next write stamp the inode with a
     fresh fine-grained time, so every write dirtied the inode (a journal update on ext4):
-    async 4 KiB writes through a path ran at half the speed of the same writes through an
-    open file.
+    40,091 inode updates for 40,000 async 4 KiB writes through an fd and a path, against
+    651-1,009 without the query.
 
     Seen from outside: after a query (the test's own ``os.stat``) a write takes a
     fine-grained time T; a read and a write that follow at once, without a query between
     them, leave the time at T (the clock's coarse tick has not passed it), while a query
     between them makes the second write take a newer time, after ``mid``. A tick that falls
     between ``mid`` and the second write moves the time too, so a few trials may; with a
-    query per request all of them did (20 of 20, before the fix)."""
-    p = _write(tmp_path / "mg.bin", os.urandom(64 * KiB))
-    kept = 0
+    query per request all of them did (20 of 20 in every batch, before the fix). The file is
+    on tmpfs where there is one (requests there take microseconds, so a tick rarely falls in
+    between), and the best of three batches counts."""
+    shm = Path("/dev/shm")
+    d = shm if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path
+    fdp, name = tempfile.mkstemp(prefix="aioswap-test-mg-", dir=d)
+    os.close(fdp)
+    p = _write(Path(name), os.urandom(64 * KiB))
+    try:
+        best, data = _timestamp_trials(p, route, how)
+    finally:
+        os.unlink(p)
+    assert data[:4 * KiB] == bytes([7]) * (4 * KiB) and data[8 * KiB:12 * KiB] == data[:4 * KiB]
+    assert best >= 15, f"at best {best} of 20 trials kept the write's time: requests ask the times"
+
+
+def _timestamp_trials(p: Path, route: str, how: str) -> tuple[int, bytes]:
+    best = 0
     with aioswap.AioHandle() as h:
         f = h.open(p, "r+")
         fd = os.open(p, os.O_RDWR)
@@ -384,16 +400,19 @@ def test_requests_do_not_ask_the_timestamps(tmp_path: Path, route: str, how: str
                 if how == "async":
                     fut.result()
 
-            for _ in range(20):
-                os.stat(p)
-                run(True, 0)
-                mid = time.time_ns()
-                run(False, 4 * KiB)
-                run(True, 8 * KiB)
-                kept += os.stat(p).st_mtime_ns <= mid
+            for _ in range(3):
+                kept = 0
+                for _ in range(20):
+                    os.stat(p)
+                    run(True, 0)
+                    mid = time.time_ns()
+                    run(False, 4 * KiB)
+                    run(True, 8 * KiB)
+                    kept += os.stat(p).st_mtime_ns <= mid
+                best = max(best, kept)
+                if best >= 15:
+                    break
         finally:
             os.close(fd)
     with open(p, "rb") as fh:
-        data = fh.read()
-    assert data[:4 * KiB] == bytes([7]) * (4 * KiB) and data[8 * KiB:12 * KiB] == data[:4 * KiB]
-    assert kept >= 15, f"{kept} of 20 trials kept the write's time: requests ask the times"
+        return best, fh.read()
