@@ -103,7 +103,10 @@ def check_adam() -> bool:
 # -- helpers ---------------------------------------------------------------------------------
 def drop(paths: list[str]) -> None:
     for p in paths:
-        _drop_cache(p)
+        try:
+            _drop_cache(p)
+        except FileNotFoundError:
+            pass        # a pack the swapper let go of after the listing: nothing to drop
 
 
 def files_under(d: str) -> list[str]:
