@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+
 def pytest_configure(config: pytest.Config) -> None:
     # As a normal user (RLIMIT_MEMLOCK of a few MiB, no CAP_IPC_LOCK) a handle's 64 MiB bounce
     # ring cannot be locked, and the library says so once per process with a
