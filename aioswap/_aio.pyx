@@ -578,8 +578,8 @@ cdef extern from "_statlite.h" nogil:
         int64_t size
         uint64_t nlink
     int stat_lite_at(int dirfd, const char* path, int flags, stat_lite* out)
+    int stat_lite_fd(int fd, stat_lite* out)
     int AT_FDCWD
-    int AT_EMPTY_PATH
     int statlite_nostatx_
 
 
@@ -596,7 +596,7 @@ def fsize(int fd):
     """The size of the file behind ``fd`` (``statx`` without the times: see _statlite.h),
     without building a ``stat_result`` (a read asks it each time)."""
     cdef stat_lite st
-    cdef int ret = stat_lite_at(fd, b"", AT_EMPTY_PATH, &st)   # the GIL stays: no I/O
+    cdef int ret = stat_lite_fd(fd, &st)   # the GIL stays: no I/O
     if ret < 0:
         raise OSError(errno, os.strerror(errno))
     return st.size
@@ -611,7 +611,7 @@ def stat_lite_of(file):
     cdef int ret
     cdef bytes path
     if type(file) is int:
-        ret = stat_lite_at(<int>file, b"", AT_EMPTY_PATH, &st)
+        ret = stat_lite_fd(<int>file, &st)
     else:
         path = os.fsencode(file)
         if b"\0" in path:
@@ -1090,7 +1090,7 @@ cdef void _fixup(_Slot* sl) noexcept nogil:
     pt.pthread_mutex_lock(&_edge_mu)
     if r.file.logical_end > end:
         end = r.file.logical_end
-    if stat_lite_at(r.fd, b"", AT_EMPTY_PATH, &st) != 0:
+    if stat_lite_fd(r.fd, &st) != 0:
         e = errno
     elif st.size > end:
         if ftruncate(r.fd, end) != 0:
@@ -3177,7 +3177,7 @@ cdef object _cached_hit(h, file, bint write, int64_t* size):
             return None
         fd = file
         fl = c_fcntl(fd, F_GETFL)
-        if fl < 0 or stat_lite_at(fd, b"", AT_EMPTY_PATH, &st) < 0:
+        if fl < 0 or stat_lite_fd(fd, &st) < 0:
             return None
         if write:
             if fl & O_ACCMODE == O_RDONLY or fl & O_APPEND:
@@ -3291,7 +3291,7 @@ cdef object _short(h, bint write, t, AioFile f, offset, int how, arg, list sink,
         # another process truncated would zero-fill the destination past the data
         if known >= 0:
             size = known                    # stat-ed by this request a moment ago
-        elif f.block_device or stat_lite_at(fd, b"", AT_EMPTY_PATH, &lst) < 0:
+        elif f.block_device or stat_lite_fd(fd, &lst) < 0:
             size = f.size()                 # (raises what the stat met)
         else:
             size = lst.size

@@ -97,4 +97,10 @@ static __attribute__((unused)) int stat_lite_at(int dirfd, const char *path, int
     return 0;
 }
 
+/* stat_lite_at of an open fd (fstat without the times). */
+static inline __attribute__((unused)) int stat_lite_fd(int fd, stat_lite *out)
+{
+    return stat_lite_at(fd, "", AT_EMPTY_PATH, out);
+}
+
 #endif
