@@ -25,8 +25,8 @@ from cpython.buffer cimport (PyBUF_FORMAT, PyBUF_ND, PyBUF_SIMPLE, PyBUF_STRIDES
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
 from cpython.weakref cimport PyWeakref_NewRef
-from libc.errno cimport (EAGAIN, EBUSY, EFAULT, EINTR, EINVAL, EIO, EISDIR, ENOSPC, ENOSYS, EPERM,
-                         errno)
+from libc.errno cimport (EAGAIN, EBUSY, EFAULT, EINTR, EINVAL, EIO, EISDIR, ENOMEM, ENOSPC, ENOSYS,
+                         EPERM, errno)
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memset
 
@@ -375,16 +375,23 @@ cdef void* _fresh(size_t mapped, bint lock) except NULL:
     ``lock`` (GIL released meanwhile). Raises MemoryError, or OSError as mlock failed (the
     mapping removed again)."""
     cdef void* addr
-    cdef int rc = 0, e = 0
-    with nogil:
-        addr = _map(mapped)
-        if addr == MAP_FAILED:
-            e = errno
-        elif lock:
-            rc = mlock(addr, mapped)
-            if rc != 0:
+    cdef int rc = 0, e = 0, attempt
+    for attempt in range(2):
+        with nogil:
+            addr = _map(mapped)
+            if addr == MAP_FAILED:
                 e = errno
-                munmap(addr, mapped)
+            elif lock:
+                rc = mlock(addr, mapped)
+                if rc != 0:
+                    e = errno
+                    munmap(addr, mapped)
+        if rc == 0 or _cache_bytes == 0 or e not in (ENOMEM, EAGAIN, EPERM):
+            break
+        # over RLIMIT_MEMLOCK: what the cache keeps counts against it too, and it is only
+        # kept to be reused, never to make an allocation fail. Let it go and try once more.
+        _trim_cache(0)
+        rc = 0
     if addr == MAP_FAILED:
         raise MemoryError(f"mmap of {mapped} bytes failed: {os.strerror(e)}")
     _check(rc, e, f"mlock of {mapped} bytes")

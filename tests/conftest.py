@@ -66,3 +66,24 @@ def engine_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
         pytest.skip(f"backend {request.param} does not work here: {why}")
     monkeypatch.setenv("AIOSWAP_BACKEND", request.param)
     return str(request.param)
+
+
+def _memlock_room() -> int | None:
+    """Bytes this process may lock in all: None where there is no limit (CAP_IPC_LOCK, as
+    root, or an unlimited RLIMIT_MEMLOCK), else the soft limit (8 MiB for a normal user on
+    most distributions)."""
+    import resource
+    with open("/proc/self/status") as f:
+        caps = next((int(x.split()[1], 16) for x in f if x.startswith("CapEff:")), 0)
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if caps & (1 << 14) or soft == resource.RLIM_INFINITY:      # 14: CAP_IPC_LOCK
+        return None
+    return int(soft)
+
+
+@pytest.fixture(scope="session")
+def memlock_room() -> int | None:
+    """What this run may lock (see :func:`_memlock_room`): tests whose subject is not the
+    limit size their locked buffers to fit under a normal user's few MiB, and keep their
+    full sizes where locking is not limited."""
+    return _memlock_room()

@@ -410,13 +410,15 @@ def test_bench_several_drives(disk: Path, capsys: pytest.CaptureFixture[str]) ->
     assert done.returncode == 2 and "twice" in done.stderr
 
 
-def test_tune_several_drives_reports_each_and_the_sum(disk: Path) -> None:
+def test_tune_several_drives_reports_each_and_the_sum(disk: Path,
+                                                       memlock_room: int | None) -> None:
     """tune over several --dir: the best section measured on each drive alone (its share),
     their sum, and the sweep's figure for all together (text and JSON)."""
+    io = "16M" if memlock_room is None else "4M"    # tune locks its buffers: a normal user's
     dirs = [disk / "t0", disk / "t1"]
     for d in dirs:
         d.mkdir()
-    done = run_cli("tune", "--dir", dirs[0], "--dir", dirs[1], "--io-size", "16M", "--quick",
+    done = run_cli("tune", "--dir", dirs[0], "--dir", dirs[1], "--io-size", io, "--quick",
                    "--repeat", "1", "--json")
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
@@ -429,7 +431,7 @@ def test_tune_several_drives_reports_each_and_the_sum(disk: Path) -> None:
         assert drv["sum"][op] == pytest.approx(sum(each))
         assert drv["together"][op] > 0
         assert drv["together_vs_sum"][op] == pytest.approx(drv["together"][op] / sum(each))
-    done = run_cli("tune", "--dir", dirs[0], "--dir", dirs[1], "--io-size", "16M", "--quick",
+    done = run_cli("tune", "--dir", dirs[0], "--dir", dirs[1], "--io-size", io, "--quick",
                    "--repeat", "1", "--no-read")
     assert done.returncode == 0, done.stderr
     assert "the best section on each drive alone" in done.stdout
@@ -972,8 +974,11 @@ def test_plot_extension_is_checked_up_front(monkeypatch: pytest.MonkeyPatch,
 
 
 @pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit")
-def test_tune_on_a_full_disk_is_status_2(disk: Path, tmp_path: Path) -> None:
-    done = run_cli("tune", "--dir", disk, "--io-size", "8M", "--no-progress", "--log-dir",
+def test_tune_on_a_full_disk_is_status_2(disk: Path, tmp_path: Path,
+                                         memlock_room: int | None) -> None:
+    # above the 1 MiB file size limit; a normal user's 8 MiB lock 4M and the --quick grid
+    io = ["8M"] if memlock_room is None else ["4M", "--quick"]
+    done = run_cli("tune", "--dir", disk, "--io-size", *io, "--no-progress", "--log-dir",
                    tmp_path / "logs", prefix=["prlimit", "--fsize=1048576"])
     assert_usage_error(done, f"{disk.resolve()}: File too large", "smaller --io-size",
                        "logs in")

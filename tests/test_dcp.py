@@ -63,6 +63,7 @@ def bytes_of(t):
 
 WORKER = COMMON + '''
 import os
+import resource
 import signal
 import sys
 import warnings
@@ -78,6 +79,11 @@ from aioswap import AioHandle
 from aioswap.dcp import AioReader, AioWriter
 
 warnings.simplefilter("error")
+if os.geteuid() != 0 and resource.getrlimit(resource.RLIMIT_MEMLOCK)[0] != resource.RLIM_INFINITY:
+    # a normal user's few MiB cannot lock a handle's bounce ring: the documented fallback,
+    # said once per process (tests/conftest.py ignores it in the test process too)
+    from aioswap.errors import PinnedMemoryWarning
+    warnings.filterwarnings("ignore", category=PinnedMemoryWarning)
 mode, store, args = sys.argv[1], sys.argv[2], sys.argv[3:]
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world,

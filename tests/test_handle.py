@@ -205,10 +205,11 @@ def test_file_descriptor_argument(tmp_path, handle):
     dict(intra_op_parallelism=3),
     dict(intra_op_parallelism=4, queue_depth=2, block_size=4096),
 ])
-def test_knobs_and_parallelism(knobs, tmp_path):
+def test_knobs_and_parallelism(knobs, tmp_path, memlock_room):
     f = tmp_path / "k.bin"
+    n = (5 if memlock_room is None else 3) * MiB + 12288    # two locked: a normal user's 8 MiB
     for locked in (True, False):
-        src = _random_tensor(5 * MiB + 12288, torch.uint8, locked=locked)
+        src = _random_tensor(n, torch.uint8, locked=locked)
         with aioswap.AioHandle(**knobs) as h:
             h.pwrite(src, f)
             out = _random_tensor(src.numel(), torch.uint8, locked=locked)
@@ -245,15 +246,17 @@ def test_property_round_trip(tmp_path, nbytes, offset, dtype, view, locked):
 # ---------------------------------------------------------------------------- async
 
 
-def test_async_from_threads_then_wait(tmp_path):
+def test_async_from_threads_then_wait(tmp_path, memlock_room):
     nthreads, per = 4, 8
     datas = {}
     futs = []
     lock = threading.Lock()
-    with aioswap.AioHandle(block_size=128 * 1024, queue_depth=8) as h:
+    # 16 locked tensors, two blocks each, and the ring: under a normal user's 8 MiB too
+    block = 128 * 1024 if memlock_room is None else 32 * 1024
+    with aioswap.AioHandle(block_size=block, queue_depth=8) as h:
         def worker(k):
             for i in range(per):
-                t = _random_tensor(256 * 1024 + k * 512 + i, torch.uint8, locked=(i % 2 == 0))
+                t = _random_tensor(2 * block + k * 512 + i, torch.uint8, locked=(i % 2 == 0))
                 p = tmp_path / f"a{k}_{i}.bin"
                 fut = h.pwrite(t, p, async_op=True)
                 with lock:
