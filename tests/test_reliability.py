@@ -215,7 +215,7 @@ def test_sigint_during_sync_bounced_write(tmp_path: Path) -> None:
 
 
 def test_free_locked_tensor_with_queued_reads(tmp_path: Path,
-                                             memlock_room: int | None) -> None:
+                                              memlock_room: int | None) -> None:
     """Item 4: freeing memory async reads use is refused (or waits); never a crash."""
     n = 32 * MiB if memlock_room is None else 4 * MiB     # locked: a normal user's 8 MiB
     path = _write(tmp_path / "src.bin", _rand(n, 4))
