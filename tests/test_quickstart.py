@@ -50,6 +50,17 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     assert lines.index(". .venv/bin/activate") < lines.index(tests)
 
 
+@pytest.mark.skipif(not (CI.parent / "as_normal_user").is_file(),
+                    reason="no .ci/as_normal_user beside the tests")
+def test_ci_runs_the_readme_test_command_as_a_normal_user_too() -> None:
+    tests = _quick_start()[1]
+    script = (CI.parent / "as_normal_user").read_text(encoding="utf-8")
+    assert f"&& {tests}'" in script            # verbatim, after the cd into its clone
+    assert "--inh-caps=-ipc_lock" in script and "--memlock=8388608" in script
+    lines = [ln.strip() for ln in CI.read_text(encoding="utf-8").splitlines()]
+    assert lines.index("bash .ci/as_normal_user") > lines.index(tests)
+
+
 def test_one_deepspeed_install_instruction() -> None:
     texts = {p.name: p.read_text(encoding="utf-8") for p in (README, CI, PYPROJECT)
              if p.is_file()}
