@@ -15,11 +15,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # ring cannot be locked, and the library says so once per process with a
     # PinnedMemoryWarning, which "error" would turn into a failure of whichever test met it
     # first. That fallback is the documented behaviour there; tests that check the warning
-    # catch it themselves (pytest.warns). As root every lock succeeds and the warning stays
-    # an error.
-    import resource
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if os.geteuid() != 0 and soft != resource.RLIM_INFINITY:
+    # catch it themselves (pytest.warns). Where locking is not limited every lock succeeds
+    # and the warning stays an error.
+    if _memlock_room() is not None:
         config.addinivalue_line("filterwarnings",
                                 "ignore::aioswap.errors.PinnedMemoryWarning")
 
