@@ -137,6 +137,18 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+def device_reads(path: str) -> int | None:
+    """Read requests the block device holding ``path`` has completed so far (field 1 of
+    ``/sys/dev/block/MAJ:MIN/stat``; every process's, so compare on a quiet machine), or None
+    where the file system has no such device (tmpfs, overlay, btrfs)."""
+    dev = os.stat(path).st_dev
+    try:
+        with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def cpu_s() -> float:
     """CPU seconds this process has used so far, every thread, user and system
     (``resource.getrusage``)."""

@@ -785,6 +785,13 @@ def test_bench_swap_smoke(tmp_dir: Path) -> None:
     assert ("safetensors" in methods) == (importlib.util.find_spec("safetensors") is not None)
     assert res["tensors"] == 2 * 16 * 3 and res["min_tensor"] == 64 * 4
     assert res["ratios"]["warm load vs direct"] > 0
+    # the drive's read requests per warm load, where tmp_dir sits on a block device
+    counted = os.path.exists(f"/sys/dev/block/{os.major(os.stat(tmp_dir).st_dev)}:"
+                             f"{os.minor(os.stat(tmp_dir).st_dev)}/stat")
+    for key, m in methods.items():
+        assert (m["load_device_reads"] is not None) == counted, key
+        if counted:
+            assert m["load_device_reads"] >= 1, key     # every load read from the drive
     for key in ("aioswap", "torch", "direct"):         # a fresh process per cold load
         assert len(methods[key]["cold_load_gbps_all"]) == 2
         assert methods[key]["cold_load_gbps"] > 0 and methods[key]["cold_maxrss_kib"] > 0
