@@ -786,8 +786,8 @@ def test_bench_swap_smoke(tmp_dir: Path) -> None:
     assert res["tensors"] == 2 * 16 * 3 and res["min_tensor"] == 64 * 4
     assert res["ratios"]["warm load vs direct"] > 0
     # the drive's read requests per warm load, where tmp_dir sits on a block device
-    counted = os.path.exists(f"/sys/dev/block/{os.major(os.stat(tmp_dir).st_dev)}:"
-                             f"{os.minor(os.stat(tmp_dir).st_dev)}/stat")
+    dev = os.stat(tmp_dir).st_dev
+    counted = os.path.exists(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
     for key, m in methods.items():
         assert (m["load_device_reads"] is not None) == counted, key
         if counted:
