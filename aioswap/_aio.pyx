@@ -26,7 +26,7 @@ from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
 from cpython.weakref cimport PyWeakref_NewRef
 from libc.errno cimport (EAGAIN, EBUSY, EFAULT, EINTR, EINVAL, EIO, EISDIR, ENOMEM, ENOSPC, ENOSYS,
-                         EPERM, errno)
+                         EOPNOTSUPP, EPERM, errno)
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memset
 
@@ -672,6 +672,8 @@ cdef long _TMPFS_MAGIC = 0x01021994
 cdef struct _FileCore:
     int64_t logical_end         # largest end of the writes in flight on the file
     int active_writes
+    int64_t known_size          # the file is at least this long (see _grow; 0: not known)
+    bint no_grow                # fallocate is refused here: writes extend the file themselves
     bint inline                 # on tmpfs: io_uring runs its pieces in the submitting thread
 
 
@@ -1105,6 +1107,51 @@ cdef void _fixup(_Slot* sl) noexcept nogil:
     pt.pthread_mutex_unlock(&_edge_mu)
     if e:
         sl.err = e
+
+
+cdef extern from "<fcntl.h>" nogil:
+    int _fallocate "fallocate"(int fd, int mode, int64_t offset, int64_t length)
+
+
+cdef void _grow(int fd, _FileCore* c, int64_t end, bint trust) noexcept nogil:
+    """Before the pieces of a write that ends past the end of the file go out: extend the file
+    to ``end`` (``fallocate``, which only grows and allocates the blocks; never ``ftruncate``,
+    which could cut a concurrent writer's longer extension).
+
+    ext4 and xfs run a direct write past the end of the file synchronously, one at a time,
+    so the pieces of such a write did not overlap: a new 1.8 GB file was written at
+    0.77-0.90 GB/s, and at 1.16-1.39 GB/s extended first (2-core VM, virtio disk). A file
+    that refuses (not a regular file, no ``fallocate``) is left alone, and its writes extend
+    it themselves; so does any error here (the write then reports its own).
+
+    ``trust`` (a one-piece write of a burst): no size query when the file is known to reach
+    ``end`` already. Another program may have cut the file short since; such writes then
+    extend it themselves, as before. A write of several pieces always asks.
+    """
+    cdef stat_lite st
+    cdef bint skip
+    pt.pthread_mutex_lock(&_edge_mu)
+    skip = c.no_grow or (trust and end <= c.known_size)
+    pt.pthread_mutex_unlock(&_edge_mu)
+    if skip:
+        return
+    if stat_lite_fd(fd, &st) != 0:
+        return
+    if (st.mode & 0o170000) != 0o100000:
+        c.no_grow = True                # a block device: its size is not a file's to grow
+        return
+    if st.size < end:
+        if _fallocate(fd, 0, st.size, end - st.size) != 0:
+            if errno == EOPNOTSUPP or errno == ENOSYS:
+                c.no_grow = True
+            return
+    else:
+        end = st.size
+    # what the file was just seen to be (a concurrent grow may have made it longer: a
+    # length known too short costs one more query, never a missed grow)
+    pt.pthread_mutex_lock(&_edge_mu)
+    c.known_size = end
+    pt.pthread_mutex_unlock(&_edge_mu)
 
 
 cdef void _maybe_finish(_Q* q, _Req* r) noexcept nogil:
@@ -1790,7 +1837,22 @@ cdef class FileState:
     def __cinit__(self):
         self.core.logical_end = 0
         self.core.active_writes = 0
+        self.core.known_size = 0
+        self.core.no_grow = False
         self.core.inline = False
+
+    @property
+    def known_size(self):
+        """A length the file is known to have (0: none): one-piece writes that end below it
+        do not ask the file its size first (see :meth:`forget_size`)."""
+        return self.core.known_size
+
+    def forget_size(self):
+        """The file may have been cut short (opened with ``O_TRUNC``, truncated): the next
+        write past what was :attr:`known_size` extends it first again."""
+        pt.pthread_mutex_lock(&_edge_mu)
+        self.core.known_size = 0
+        pt.pthread_mutex_unlock(&_edge_mu)
 
     @property
     def active_writes(self):
@@ -2325,7 +2387,7 @@ cdef class AioQueue:
         cdef _Req* r
         cdef Request req
         cdef uint64_t te, hs
-        cdef bint edges
+        cdef bint edges, grow
         self._check()
         if mode != M_DIRECT and mode != M_BOUNCE and mode != M_PLAIN:
             raise ValueError(f"bad mode {mode}")
@@ -2392,9 +2454,17 @@ cdef class AioQueue:
                     r.file.logical_end = 0
                 if offset + <int64_t>nbytes > r.file.logical_end:
                     r.file.logical_end = offset + <int64_t>nbytes
+                grow = mode != M_PLAIN and nbytes > 0 and (nbytes > block
+                                                           or r.file.active_writes > 0)
                 r.file.active_writes += 1
                 pt.pthread_mutex_unlock(&_edge_mu)
                 r.counted_write = True
+                if grow:
+                    # pieces in flight together (several of this request's, or other
+                    # writes'): past the end of the file they would run one at a time
+                    # (see _grow). After logical_end: no edge block is cut back below it.
+                    with nogil:
+                        _grow(fd, r.file, offset + <int64_t>nbytes, nbytes <= block)
         # from here nothing fails: the queue holds the request until it is seen finished
         Py_INCREF(req)
         r.obj = <PyObject*>req

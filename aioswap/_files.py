@@ -128,8 +128,11 @@ def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
         fcntl.fcntl(fd, fcntl.F_SETFL, os.O_DIRECT if direct else 0)     # O_NONBLOCK off
         if refused and on_buffered is not None:
             on_buffered(name)
+        inode = _inode(fd, st, direct)
+        if flags & os.O_TRUNC:
+            inode.state.forget_size()       # cut to 0: its next writes extend it again
         return AioFile(handle, fd, name, direct=direct, readable=readable,
-                       writable=writable, st=st, inode=_inode(fd, st, direct))
+                       writable=writable, st=st, inode=inode)
     except BaseException:
         os.close(fd)
         raise

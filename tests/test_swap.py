@@ -1,6 +1,7 @@
 """TensorSwapper: byte-exact round trips, crash safety, corruption, memory, bad input."""
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import os
@@ -94,9 +95,25 @@ def _data_files(d: Path) -> list[str]:
     return sorted(p.name for p in d.iterdir() if p.name[:2] in ("t-", "p-"))
 
 
-def _allocated(p: Path) -> int:
-    """Bytes of ``p`` that hold data (packs are sized up front, then filled)."""
-    return p.stat().st_blocks * 512
+def _written(p: Path) -> int:
+    """Bytes of ``p`` that hold written data (``SEEK_DATA``/``SEEK_HOLE``): packs are sized up
+    front, and a write past the end allocates its blocks first (``fallocate``), so neither
+    the size nor the allocated blocks tell how far a write got; blocks allocated but not
+    written yet read as holes."""
+    fd = os.open(p, os.O_RDONLY)
+    total = pos = 0
+    try:
+        while True:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:        # no data after pos
+                    return total
+                raise
+            pos = os.lseek(fd, start, os.SEEK_HOLE)
+            total += pos - start
+    finally:
+        os.close(fd)
 
 
 def _manifest(d: Path) -> dict:
@@ -474,7 +491,7 @@ def test_sigkill_mid_swap_out(tmp_dir: Path, mode: str) -> None:
         partial = []
         while time.monotonic() < deadline:      # kill once the big file is being written
             partial = [f for f in _data_files(d) if f not in published
-                       and _allocated(d / f) > 8 * MiB]
+                       and _written(d / f) > 8 * MiB]
             if partial:
                 break
             time.sleep(0.005)
@@ -490,7 +507,7 @@ def test_sigkill_mid_swap_out(tmp_dir: Path, mode: str) -> None:
         if p.stderr:
             p.stderr.close()
     assert p.returncode == -signal.SIGKILL
-    size = _allocated(d / partial[0])
+    size = _written(d / partial[0])
     assert 0 < size < 512 * MiB                       # really interrupted mid-write
     with TensorSwapper(d, verify=True) as sw:
         assert sw.names() == [f"small{i}" for i in range(5)] + ["old"]
