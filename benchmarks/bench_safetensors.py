@@ -234,9 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         "bytes": total, "file_bytes": fsize, "tensors": len(sd), "layers": a.layers,
         "hidden": a.hidden, "repeat": a.repeat, "block_size": a.block_size,
         "queue_depth": a.queue_depth, "drop_caches": a.drop_caches, "methods": {}}
+    # no cold column (nor NaN, which is not JSON) with --cold 0
+    ops = ("save", "load", "cold") if a.cold else ("save", "load")
     for name, t in times.items():
         row: dict[str, Any] = {"label": labels[name]}
-        for op in ("save", "load", "cold"):
+        for op in ops:
             gbps = [total / s / 1e9 for s in t[op]]
             row[f"{op}_GBps"] = statistics.median(gbps) if gbps else float("nan")
             row[f"{op}_GBps_all"] = gbps
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     of_medians = {}
     for other in res["methods"]:
         if other != "aioswap":
-            for op in ("save", "load", "cold"):
+            for op in ops:
                 # paired: the other's time / aioswap's in the same round, then the median
                 pairs = [b / m for m, b in zip(times["aioswap"][op], times[other][op])]
                 ratios[f"aioswap/{other} {op}"] = (statistics.median(pairs) if pairs
@@ -268,10 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     print("load = warm: in this process, on memory it already used; cold: a fresh process "
           "per load, allocating and freeing on the clock")
     print(f"{'method':<48}{'save GB/s':>10}{'spread':>12}{'load GB/s':>11}{'spread':>12}"
-          f"{'cold GB/s':>11}{'spread':>12}")
+          + (f"{'cold GB/s':>11}{'spread':>12}" if a.cold else ""))
     for name, row in res["methods"].items():
         cells = []
-        for op in ("save", "load", "cold"):
+        for op in ops:
             v = row[f"{op}_GBps_all"]
             spread = f"{min(v):.2f}-{max(v):.2f}" if v else "-"
             cells.append(f"{row[f'{op}_GBps']:>10.2f}{spread:>12}")

@@ -591,6 +591,27 @@ def test_benchmark_json(tmp_dir: Path) -> None:
     assert list(tmp_dir.iterdir()) == []
 
 
+def test_benchmark_without_cold_rounds(tmp_dir: Path) -> None:
+    """--cold 0: no cold column or ratio, and the JSON stays JSON (no NaN)."""
+    args = [sys.executable, str(BENCH), "--dir", str(tmp_dir), "--repeat", "1", "--layers",
+            "1", "--hidden", "32", "--cold", "0"]
+    done = subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+
+    def no_constant(name: str) -> None:
+        raise AssertionError(f"{name} in the JSON")
+    res = json.loads(done.stdout, parse_constant=no_constant)
+    for row in res["methods"].values():
+        assert "cold_GBps" not in row and row["load_GBps"] > 0
+    assert not any(k.endswith(" cold") for k in res["ratios"])
+    assert "aioswap/direct save" in res["ratios"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "cold" not in done.stdout.split("\n", 2)[2] and "nan" not in done.stdout
+    assert list(tmp_dir.iterdir()) == []
+
+
 def test_save_sharded_over_drives_loads_everywhere(tmp_dir: Path) -> None:
     """save_sharded: Hugging Face shards and index, shards on every drive and linked from the
     directory; stock safetensors, aioswap and transformers' from_pretrained read it."""
