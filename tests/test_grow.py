@@ -63,6 +63,22 @@ def test_write_past_end_grows_first(handle, tmp_dir, n, offset):
     assert os.stat(path).st_size == offset + n
 
 
+def test_write_far_past_the_end_keeps_the_hole(handle, tmp_dir):
+    """Only the write's own blocks are allocated: a hole before it stays a hole."""
+    path = tmp_dir / "sparse.bin"
+    src = _data(4 * BLOCK, 9)
+    at = 1 << 30
+    with handle.open(path, "w+") as f:
+        assert handle.pwrite(src, f, at) == src.numel()
+    st = os.stat(path)
+    assert st.st_size == at + src.numel()
+    assert st.st_blocks * 512 < 64 * BLOCK          # not a gigabyte of allocated zeros
+    with open(path, "rb") as g:
+        assert g.read(4096) == bytes(4096)
+        g.seek(at)
+        assert g.read() == src.numpy().tobytes()
+
+
 def test_concurrent_writes_in_any_order(handle, tmp_dir):
     """Unaligned neighbours submitted at once, the last first: every byte lands, the file
     ends exactly where the last write ends (no padding left, nothing cut)."""
