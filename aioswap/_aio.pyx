@@ -590,6 +590,11 @@ cdef extern from "_statlite.h" nogil:
     int statlite_nostatx_
 
 
+cdef extern from "<sys/stat.h>" nogil:
+    bint S_ISREG(int mode)
+    bint S_ISBLK(int mode)
+
+
 def _statlite_fallback(bint on):
     """Tests only: ask ``fstatat`` instead of ``statx`` (as where statx is refused); returns
     the previous setting."""
@@ -1138,7 +1143,7 @@ cdef void _grow(int fd, _FileCore* c, int64_t offset, int64_t end, bint trust) n
         return
     if stat_lite_fd(fd, &st) != 0:
         return
-    if (st.mode & 0o170000) != 0o100000:
+    if not S_ISREG(st.mode):
         c.no_grow = True                # a block device: its size is not a file's to grow
         return
     if st.size < end:
@@ -2701,10 +2706,6 @@ def _uring_faults_left():
 # ------------------------------------------------------------------------------- files
 from posix.unistd cimport close as c_close
 
-
-cdef extern from "<sys/stat.h>" nogil:
-    bint S_ISREG(int mode)
-    bint S_ISBLK(int mode)
 
 cdef extern from "<sys/ioctl.h>" nogil:
     int ioctl(int fd, unsigned long request, ...)

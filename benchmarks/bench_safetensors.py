@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {"label": labels[name]}
         for op in ops:
             gbps = [total / s / 1e9 for s in t[op]]
-            row[f"{op}_GBps"] = statistics.median(gbps) if gbps else float("nan")
+            row[f"{op}_GBps"] = statistics.median(gbps)
             row[f"{op}_GBps_all"] = gbps
         res["methods"][name] = row
     ratios = {}
@@ -250,8 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             for op in ops:
                 # paired: the other's time / aioswap's in the same round, then the median
                 pairs = [b / m for m, b in zip(times["aioswap"][op], times[other][op])]
-                ratios[f"aioswap/{other} {op}"] = (statistics.median(pairs) if pairs
-                                                   else float("nan"))
+                ratios[f"aioswap/{other} {op}"] = statistics.median(pairs)
                 of_medians[f"aioswap/{other} {op}"] = (res["methods"]["aioswap"][f"{op}_GBps"]
                                                        / res["methods"][other][f"{op}_GBps"])
     res["ratios"] = ratios
