@@ -572,7 +572,7 @@ cdef class LockedMemory:
 from libc.string cimport memcpy
 from posix.fcntl cimport F_GETFL
 from posix.fcntl cimport fcntl as c_fcntl
-from posix.unistd cimport ftruncate, getpid, pread, pwrite
+from posix.unistd cimport ftruncate, getpid, pread, pwrite, usleep
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from posix.uio cimport iovec
 
@@ -2081,6 +2081,7 @@ cdef class AioQueue:
     """
     cdef _Q q
     cdef bint _ready
+    cdef int _busy                  # calls inside the queue with the GIL released (see _in)
     cdef object _ring_owner
     cdef long _pid
     cdef object __weakref__
@@ -2280,12 +2281,17 @@ cdef class AioQueue:
         (<list>use)[1] = moved if moved <= m._mapped else -1
         if moved <= m._mapped:
             return 0
-        with nogil:
-            pt.pthread_mutex_lock(&self.q.mu)
-            if self.q.uring != NULL:
-                rc = ur.uring_register_buffer(self.q.uring, m._addr, m._mapped)
-                e = errno
-            pt.pthread_mutex_unlock(&self.q.mu)
+        if not self._in():
+            return 0
+        try:
+            with nogil:
+                pt.pthread_mutex_lock(&self.q.mu)
+                if self.q.uring != NULL:
+                    rc = ur.uring_register_buffer(self.q.uring, m._addr, m._mapped)
+                    e = errno
+                pt.pthread_mutex_unlock(&self.q.mu)
+        finally:
+            self._out()
         if rc < 0 and e != ENOSPC and e != EBUSY and e != 0:
             _note_once(f"registering page-locked memory with io_uring failed: "
                        f"{os.strerror(e)}; plain READ/WRITE on it")
@@ -2329,33 +2335,59 @@ cdef class AioQueue:
             raise OSError(self.q.broken, f"the AIO queue is broken (io_getevents failed: "
                                          f"{os.strerror(self.q.broken)}); make a new handle")
 
+    cdef inline bint _in(self):
+        # Enter a call that releases the GIL while it uses the queue's C state: False when the
+        # queue is closed. close() waits until every such call has left (_out), so it never
+        # destroys the ring or the mutex under one. Both run with the GIL held, and nothing
+        # between close()'s check of _ready and its wait can let another thread in.
+        if not self._ready:
+            return False
+        self._busy += 1
+        return True
+
+    cdef inline void _out(self):
+        self._busy -= 1
+
     def attach_ring(self, owner, size_t address, Py_ssize_t bufsize, int nbuf):
         """Give the queue ``nbuf`` bounce buffers of ``bufsize`` bytes at ``address``.
 
-        ``owner`` (the memory) is kept alive as long as the queue. Once only.
+        ``owner`` (the memory) is kept alive as long as the queue. Once only. Safe against a
+        concurrent :meth:`close`: that waits for this call, which then raises
+        :class:`~aioswap.errors.HandleClosedError` (nothing attached).
         """
-        cdef int i, rc, e
+        cdef int i, rc = 0, e = 0
+        cdef int* fb
         self._check()
         if self.q.nbuf:
             raise RuntimeError("the ring is already attached")
         if bufsize <= 0 or nbuf <= 0 or bufsize % 512 or address % 512:
             raise ValueError(f"bad ring: {nbuf} buffers of {bufsize} bytes at {address:#x}")
+        if not self._in():
+            raise HandleClosedError("I/O on a closed AioQueue")
+        try:
+            if self.q.uring != NULL:
+                # pieces through the ring then skip the kernel's per-request page pinning
+                with nogil:
+                    rc = ur.uring_register_buffer(self.q.uring, <void*>address,
+                                                  <size_t>bufsize * <size_t>nbuf)
+                    e = errno
+        finally:
+            self._out()
+        if rc < 0:
+            self.ring_note = (f"registering the bounce ring with io_uring failed: "
+                              f"{os.strerror(e)}; plain READ/WRITE")
+            _note_once(self.ring_note)
         fb = <int*>PyMem_RawMalloc(nbuf * sizeof(int))
         if fb == NULL:
             raise MemoryError()
         for i in range(nbuf):
             fb[i] = nbuf - 1 - i
+        # no Python code from this check to the unlock: close() cannot run in between
+        if not self._ready:
+            PyMem_RawFree(fb)
+            raise HandleClosedError("I/O on a closed AioQueue (closed while its bounce ring "
+                                    "was being attached)")
         self._ring_owner = owner
-        if self.q.uring != NULL:
-            # pieces through the ring then skip the kernel's per-request page pinning
-            with nogil:
-                rc = ur.uring_register_buffer(self.q.uring, <void*>address,
-                                              <size_t>bufsize * <size_t>nbuf)
-                e = errno
-            if rc < 0:
-                self.ring_note = (f"registering the bounce ring with io_uring failed: "
-                                  f"{os.strerror(e)}; plain READ/WRITE")
-                _note_once(self.ring_note)
         pt.pthread_mutex_lock(&self.q.mu)
         self.q.free_bufs = fb
         self.q.ring = <char*>address
@@ -2597,10 +2629,13 @@ cdef class AioQueue:
         then)."""
         cdef _Req* head = NULL
         cdef int rc
-        if not self._ready or self._pid != _self_pid:
+        if self._pid != _self_pid or not self._in():
             return False
-        with nogil:
-            rc = _help(&self.q, &head, budget)
+        try:
+            with nogil:
+                rc = _help(&self.q, &head, budget)
+        finally:
+            self._out()
         if rc < 0:
             return False
         if head != NULL:
@@ -2613,15 +2648,18 @@ cdef class AioQueue:
         While one waits, :meth:`serve` hands each finished request over at once instead of
         gathering a batch (batches spare a thread that is still queueing the GIL hops).
         """
-        if not self._ready:
+        if not self._in():
             return
-        with nogil:
-            pt.pthread_mutex_lock(&self.q.mu)
-            self.q.eager += delta
-            if self.q.eager < 0:
-                self.q.eager = 0
-            _wake(&self.q)
-            pt.pthread_mutex_unlock(&self.q.mu)
+        try:
+            with nogil:
+                pt.pthread_mutex_lock(&self.q.mu)
+                self.q.eager += delta
+                if self.q.eager < 0:
+                    self.q.eager = 0
+                _wake(&self.q)
+                pt.pthread_mutex_unlock(&self.q.mu)
+        finally:
+            self._out()
 
     def shutdown(self):
         """Let :meth:`serve` return None once the queue is idle."""
@@ -2642,6 +2680,10 @@ cdef class AioQueue:
         if not self._ready:
             return
         self._ready = False
+        while self._busy > 0:
+            # a call that entered before (_in) is still inside with the GIL released
+            with nogil:
+                usleep(200)
         if self._pid == getpid():
             with nogil:
                 _k_destroy(&self.q)

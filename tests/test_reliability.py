@@ -420,6 +420,54 @@ def test_close_races_sync_requests(tmp_path: Path) -> None:
         h.pread(bytearray(10), src, 0)
 
 
+_ATTACH_RACE = """
+    import os, sys, threading, time, torch, aioswap
+    from aioswap.errors import HandleClosedError
+    path, rounds = sys.argv[1], int(sys.argv[2])
+    with open(path, "wb") as f:
+        f.write(os.urandom(1 << 20))
+    for i in range(rounds):
+        h = aioswap.AioHandle(block_size=1 << 20, queue_depth=32)
+        buf = torch.empty(4097, dtype=torch.uint8)     # unpinned and odd: the bounce ring
+        go = threading.Event()
+        errs = []
+        def reader():
+            go.wait()
+            try:
+                assert h.pread(buf, path, 3) == 4097
+                assert bytes(buf.numpy()) == open(path, "rb").read()[3:4100]
+            except HandleClosedError:
+                pass
+            except BaseException as exc:
+                errs.append(exc)
+        t = threading.Thread(target=reader)
+        t.start()
+        go.set()
+        time.sleep((i % 7) * 1e-4)      # close lands before, during and after the attach
+        h.close()
+        t.join(30)
+        if t.is_alive():
+            print("hang in round", i, flush=True); os._exit(3)
+        if errs:
+            print("round", i, repr(errs[0]), flush=True); os._exit(4)
+    print("rounds", rounds)
+"""
+
+
+@pytest.mark.parametrize("rounds", [pytest.param(100, id="100"),
+                                    pytest.param(1000, id="1000", marks=pytest.mark.slow)])
+def test_close_races_the_first_bounce_ring(tmp_path: Path, rounds: int) -> None:
+    """close() while another thread's first unaligned request attaches the lane's bounce
+    ring: the request completes byte-exact or gets HandleClosedError; no crash, no hang.
+    On io_uring the attach registers the ring with the GIL released and close() used to
+    destroy the queue (and its mutex) under it: SIGSEGV or a hang in 3 runs of 3."""
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_ATTACH_RACE),
+                        str(tmp_path / "src.bin"), str(rounds)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert f"rounds {rounds}" in r.stdout
+
+
 def test_fork_child_gets_clear_error(tmp_path: Path) -> None:
     """Item 10: a handle used after fork(): RuntimeError naming the fix, no hang."""
     src = _write(tmp_path / "src.bin", _rand(MiB, 10))
