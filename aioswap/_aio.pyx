@@ -2796,6 +2796,7 @@ cdef class AioFile:
     cdef readonly object key
     cdef readonly uint64_t mem_align, off_align, piece
     cdef readonly Py_ssize_t _users         # requests in flight (tests read it)
+    cdef readonly uint64_t uses             # requests ever counted on it (use/pin)
     cdef object _handle, _inode, _device
     cdef int _fd
     cdef bint _owned, _closed
@@ -2847,6 +2848,7 @@ cdef class AioFile:
         if self._closed:
             raise ValueError(f"I/O on closed file {self.name}")
         self._users += 1
+        self.uses += 1
         return self._fd
 
     cdef bint pin(self) noexcept:
@@ -2854,7 +2856,13 @@ cdef class AioFile:
         if self._closed:
             return False
         self._users += 1
+        self.uses += 1
         return True
+
+    @property
+    def busy(self):
+        """Whether a request is counted on the file now."""
+        return self._users > 0
 
     def unuse(self):
         """A request counted by :meth:`use` is over."""

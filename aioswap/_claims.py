@@ -20,7 +20,8 @@ from aioswap.errors import SwapError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["NameClaims", "Released", "Releases", "guard", "storage_key", "unguard"]
+__all__ = ["NameClaims", "Released", "Releases", "guard", "released_as", "storage_key",
+           "unguard"]
 
 _log = logging.getLogger("aioswap")
 _T = TypeVar("_T")
@@ -86,6 +87,12 @@ def unguard(tensor: torch.Tensor) -> None:
     if getattr(tensor, _ATTR, None) is not None:
         tensor.__class__ = type(tensor).__mro__[1]
         delattr(tensor, _ATTR)
+
+
+def released_as(tensor: Any) -> str | None:
+    """The name a tensor was released under (it is guarded, its storage freed), else None."""
+    name = getattr(tensor, _ATTR, None)
+    return name if isinstance(name, str) else None
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -178,6 +185,18 @@ class Releases:
         self._by_storage[key] = name
         st.resize_(0)
         guard(tensor, name)
+
+    def overwritten(self, name: str, tensor: torch.Tensor, release: bool) -> None:
+        """``name`` was just overwritten with ``tensor`` (published). A released tensor of the
+        same shape and dtype stays released under the name, so a swap-in (``onload(into=)``)
+        restores it in place with the new bytes; one that no longer fits is dropped. With
+        ``release`` the new tensor is released instead."""
+        rel = self._by_name.get(name)
+        if rel is not None and (release or tuple(rel.tensor.shape) != tuple(tensor.shape)
+                                or rel.tensor.dtype != tensor.dtype):
+            self.forget(name)
+        if release:
+            self.release(name, tensor)
 
     def forget(self, name: str) -> None:
         """Drop the released tensor of ``name`` (restored, overwritten or removed)."""

@@ -11,18 +11,23 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import stat
 import threading
+import time
 import weakref
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 from aioswap import _aio
+
+_log = logging.getLogger("aioswap")
 
 if TYPE_CHECKING:
     from aioswap.handle import AioHandle
 
-__all__ = ["AioFile", "FileArg", "PathLike", "check_fd", "check_kind", "describe"]
+__all__ = ["IDLE_CLOSE_S", "AioFile", "FileArg", "PathLike", "Sweeper", "check_fd",
+           "check_kind", "deleted", "describe", "sweeper"]
 
 PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
 FileArg = Union[PathLike, int, "AioFile"]
@@ -94,9 +99,11 @@ AioFile = _aio.AioFile
 
 def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
               perm: int = DEFAULT_FILE_MODE,
-              on_buffered: Any = None, direct: bool = True) -> AioFile:
+              on_buffered: Any = None, direct: bool = True,
+              follow_symlinks: bool = True) -> AioFile:
     """Open ``path`` (``mode`` as in :data:`_MODES`) with ``O_DIRECT`` when it works
-    (and ``direct`` asks for it)."""
+    (and ``direct`` asks for it); ``follow_symlinks=False``: ``O_NOFOLLOW``, a symbolic link
+    at ``path`` is refused."""
     try:
         flags, readable, writable = _MODES[mode]
     except KeyError:
@@ -104,7 +111,7 @@ def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
     name = repr(os.fsdecode(path))
     # O_NONBLOCK: a FIFO in place of a data file must not block the open (it is refused
     # below); it changes nothing for regular files and block devices.
-    base = flags | os.O_CLOEXEC | os.O_NONBLOCK
+    base = flags | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
     refused = False
     try:
         if not direct:
@@ -122,6 +129,11 @@ def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
                 direct, refused = False, True
     except IsADirectoryError:
         raise IsADirectoryError(errno.EISDIR, "is a directory", name) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_symlinks:
+            raise OSError(errno.ELOOP, "is a symbolic link; refusing to follow it",
+                          name) from None
+        raise
     try:
         st = os.fstat(fd)
         check_kind(st, name)
@@ -206,3 +218,85 @@ def open_fd(handle: AioHandle | None, fd: int, write: bool, *,
     except BaseException:
         os.close(own)
         raise
+
+
+#: A descriptor that a handle keeps for path and fd arguments is closed once no request has
+#: used it for this many seconds, or as soon as its file is deleted (so the space is freed
+#: and the file system can be unmounted without waiting for the handle's next request).
+IDLE_CLOSE_S = 5.0
+_SWEEP_S = 1.0
+
+
+class Sweeper:
+    """One thread, alive while some handle keeps descriptors, that calls each such handle's
+    sweep about once a second. A sweep gets the time (``time.monotonic()``) and returns
+    whether the handle still keeps descriptors; a handle that returns False, or is garbage
+    collected, is no longer called, until it is watched again. The thread ends when no
+    handle is left (at once when the last one is forgotten)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: dict[int, weakref.WeakMethod[Callable[[float], bool]]] = {}
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        self._lock = threading.Lock()       # the thread stayed in the parent
+        self._calls = {}
+        self._thread = None
+
+    def watch(self, sweep: Callable[[float], bool]) -> None:
+        """Call ``sweep`` (a bound method: its object is held weakly) until it says False."""
+        key = id(sweep.__self__)    # type: ignore[attr-defined]
+        with self._lock:
+            if key in self._calls:
+                return
+            self._calls[key] = weakref.WeakMethod(sweep)
+            if self._thread is None:
+                self._wake.clear()
+                t = threading.Thread(target=self._run, daemon=True, name="aioswap-files")
+                self._thread = t
+                t.start()
+
+    def forget(self, owner: object) -> None:
+        """Stop calling ``owner``'s sweep (it closed); the thread ends if it was the last."""
+        with self._lock:
+            self._calls.pop(id(owner), None)
+            if not self._calls:
+                self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(_SWEEP_S)
+            with self._lock:
+                self._wake.clear()
+                if not self._calls:
+                    self._thread = None
+                    return
+                calls = list(self._calls.items())
+            now = time.monotonic()
+            for key, ref in calls:
+                sweep = ref()
+                try:
+                    keep = sweep is not None and sweep(now)
+                except Exception:           # never let one handle stop the others
+                    _log.exception("aioswap: closing idle files failed")
+                    keep = True
+                del sweep
+                if not keep:
+                    with self._lock:
+                        if self._calls.get(key) is ref:
+                            del self._calls[key]
+
+
+#: The process's sweeper of idle descriptors.
+sweeper = Sweeper()
+
+
+def deleted(f: AioFile) -> bool:
+    """Whether the file behind ``f`` is gone: deleted (no link left) or its fd unusable."""
+    try:
+        return os.fstat(f.fileno()).st_nlink == 0
+    except (OSError, ValueError):           # ValueError: closed meanwhile
+        return True

@@ -26,8 +26,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from aioswap import _owner
 from aioswap._units import shape_fits
-from aioswap._util import fsync_dir
+from aioswap._util import fsync_dir, is_atomic_tmp
 from aioswap.errors import SwapError
 from aioswap.stripe import LAYOUT_SUFFIX as STRIPE_SUFFIX
 
@@ -69,6 +70,15 @@ def _dir_mode(mode: int) -> int:
         if (d >> shift) & 0o6:
             d |= 1 << shift
     return d
+
+
+def _exists_at(dir_fd: int, name: str) -> bool:
+    """Whether ``name`` exists in the directory open as ``dir_fd`` (a link counts)."""
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _prefer_direct(fd: int) -> None:
@@ -157,60 +167,103 @@ class Entry:
 
 
 class SwapDirectory:
-    """A locked swap directory: creation, marker, data files, orphans, removal.
+    """The locked directories of one swapper: creation, markers, owners, data files, orphans.
 
-    ``extra``: more directories (other drives), each locked too, that hold the other parts
-    of striped data files (the manifest, the marker and unstriped files are in ``path``).
+    ``paths``: the directories as given, one per drive. The one that holds the manifest (the
+    *primary*, :attr:`path`) is found by the owner records (:mod:`aioswap._owner`), whatever
+    the order; the others (:attr:`extra`) hold the other parts of striped data files (the
+    manifest, the marker and unstriped files are in the primary). Every directory is checked
+    to be a distinct directory (device and inode: two paths to one directory, as a bind
+    mount makes, are refused), locked, and owned by this swapper's set, before anything in
+    any of them is written or removed.
     """
 
-    def __init__(self, path: str, mode: int, extra: list[str] | None = None) -> None:
-        self.path = path
+    def __init__(self, paths: list[str], mode: int) -> None:
         self.mode = mode
         self.dir_fd = -1
         self._lock_fd = -1
-        self.extra: list[str] = []
-        self.extra_created: list[str] = []
         self._extra_locks: list[int] = []
         self._reap_lock = threading.Lock()
         self._reaper: concurrent.futures.ThreadPoolExecutor | None = None
         self._reaping: list[concurrent.futures.Future[Any]] = []
-        created = False
-        if not os.path.isdir(path):
-            try:
-                os.makedirs(path, mode=_dir_mode(mode))
-                created = True
-            except FileExistsError:
-                if not os.path.isdir(path):
-                    raise NotADirectoryError(f"swap directory {path!r} exists and is "
-                                             f"not a directory") from None
-        self.dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.path = paths[0]
+        self.extra: list[str] = []
+        self.extra_created: list[str] = []
+        self.created = False
+        self.set_id = ""
+        self._claimed: set[str] = set()     # directories without an owner record before
+        fds: list[int] = []
+        locks: list[int] = []
+        made: list[bool] = []
         try:
-            if created:
-                os.fchmod(self.dir_fd, _dir_mode(mode))     # exact, whatever the umask
-            self._lock()
-            if created:
-                self._mark_created(path)
-            self.created = created or os.path.exists(os.path.join(path, CREATED_NAME))
-            for d in extra or ():
-                made = False
-                if not os.path.isdir(d):
-                    try:
-                        os.makedirs(d, mode=_dir_mode(mode))
-                        os.chmod(d, _dir_mode(mode))
-                        made = True
-                    except FileExistsError:
-                        if not os.path.isdir(d):
-                            raise NotADirectoryError(f"swap directory {d!r} exists and is "
-                                                     f"not a directory") from None
-                self.extra.append(d)
-                self._extra_locks.append(self._lock_at(d))
-                if made:
+            ids: dict[tuple[int, int], str] = {}
+            for d in paths:
+                made.append(self._make(d))
+                fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                fds.append(fd)
+                st = os.fstat(fd)
+                key = (st.st_dev, st.st_ino)
+                if key in ids:
+                    raise ValueError(f"the swap directories must be distinct: {ids[key]!r} "
+                                     f"and {d!r} are the same directory (device "
+                                     f"{st.st_dev}, inode {st.st_ino})")
+                ids[key] = d
+            for d in paths:
+                locks.append(self._lock_at(d))
+            for d, m in zip(paths, made):
+                if m:
                     self._mark_created(d)
-                if made or os.path.exists(os.path.join(d, CREATED_NAME)):
-                    self.extra_created.append(d)
+            found = []
+            for d, fd in zip(paths, fds):
+                st = os.fstat(fd)
+                found.append(_owner.Found(d, st.st_dev, st.st_ino, _owner.read_owner(fd, d),
+                                          _exists_at(fd, MANIFEST_NAME)))
+            plan = _owner.arrange(found)
+            for i, rec in plan.writes:
+                _owner.write_owner(paths[i], rec, mode)
         except BaseException:
-            self.close()
+            for fd in fds + locks:
+                os.close(fd)
+            for d, m in zip(paths, made):
+                if m:                   # refused: no trace of a directory this call made
+                    for n in (CREATED_NAME, LOCK_NAME):
+                        try:
+                            os.unlink(os.path.join(d, n))
+                        except FileNotFoundError:
+                            pass
+                    try:
+                        os.rmdir(d)
+                    except OSError:
+                        pass
             raise
+        p = plan.order[0]
+        self.set_id = plan.set
+        self.path = paths[p]
+        self.dir_fd = fds[p]
+        self._lock_fd = locks[p]
+        self.created = made[p] or os.path.exists(os.path.join(self.path, CREATED_NAME))
+        self._claimed = {paths[i] for i in plan.claimed if i != p}
+        for i in plan.order[1:]:
+            self.extra.append(paths[i])
+            self._extra_locks.append(locks[i])
+            os.close(fds[i])
+            if made[i] or os.path.exists(os.path.join(paths[i], CREATED_NAME)):
+                self.extra_created.append(paths[i])
+
+    def _make(self, d: str) -> bool:
+        """Create directory ``d`` (with parents, mode from :attr:`mode` exactly) when it is
+        missing; whether this call created it."""
+        if os.path.isdir(d):
+            return False
+        try:
+            os.makedirs(d, mode=_dir_mode(self.mode))
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise NotADirectoryError(f"swap directory {d!r} exists and is not a "
+                                         f"directory") from None
+            return False
+        os.chmod(d, _dir_mode(self.mode))       # exact, whatever the umask
+        return True
 
     def _mark_created(self, d: str) -> None:
         """Leave the marker that says aioswap created directory ``d``, durably."""
@@ -232,9 +285,6 @@ class SwapDirectory:
         """Whether new data files are striped over several directories."""
         return bool(self.extra)
 
-    def _lock(self) -> None:
-        self._lock_fd = self._lock_at(self.path)
-
     def _lock_at(self, path: str) -> int:
         import fcntl
         fd = os.open(os.path.join(path, LOCK_NAME),
@@ -246,8 +296,10 @@ class SwapDirectory:
                 holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
             finally:
                 os.close(fd)
-            raise SwapError(f"swap directory {path!r} is in use by another "
-                            f"TensorSwapper (pid {holder}); close it first") from None
+            who = (f"another TensorSwapper of this process (pid {holder})"
+                   if holder == str(os.getpid()) else f"another TensorSwapper (pid {holder})")
+            raise SwapError(f"swap directory {path!r} is in use by {who}; close it "
+                            f"first") from None
         except BaseException:
             os.close(fd)
             raise
@@ -256,9 +308,16 @@ class SwapDirectory:
         return fd
 
     def parts(self, fname: str) -> list[str]:
-        """The part files of striped data file ``fname``: one per directory, ``path``'s
+        """The part files of a new striped data file ``fname``: one per directory, ``path``'s
         first."""
         return [os.path.join(d, fname) for d in [self.path, *self.extra]]
+
+    def parts_of(self, fname: str) -> list[str]:
+        """The part files of the existing striped data file ``fname``: those of the
+        directories that hold a layout of it (its layout says which part each is, so the
+        order of the directories, and directories added since, do not matter)."""
+        return [os.path.join(d, fname) for d in [self.path, *self.extra]
+                if os.path.lexists(os.path.join(d, fname + STRIPE_SUFFIX))]
 
     def is_striped(self, fname: str) -> bool:
         """Whether ``fname`` was written striped (its layout lies beside it)."""
@@ -382,55 +441,97 @@ class SwapDirectory:
                 except OSError as exc:      # an orphan is removed at the next open anyway
                     _log.warning("could not remove %s from %s: %s", n, d, exc)
 
-    def data_files(self) -> list[str]:
-        """Data files (or parts of striped ones) in any of the directories."""
-        found = {f for f in os.listdir(self.path) if is_data_file(f)}
-        for d in self.extra:
-            found.update(f for f in os.listdir(d) if is_data_file(f))
-        return sorted(found)
+    def _scan(self) -> list[tuple[str, str, str | None]]:
+        """aioswap's files in every directory: ``(directory, name, data file)``, where the data
+        file is the one a part, layout or layout temporary belongs to, and None for
+        temporaries of the manifest or owner record (never valid: their rename did not
+        happen)."""
+        out: list[tuple[str, str, str | None]] = []
+        for d in [self.path, *self.extra]:
+            for name in sorted(os.listdir(d)):
+                if is_data_file(name):
+                    out.append((d, name, name))
+                    continue
+                base, sep, rest = name.partition(STRIPE_SUFFIX)
+                if sep and is_data_file(base) and (not rest or is_atomic_tmp(name, base + sep)):
+                    out.append((d, name, base))
+                elif (is_atomic_tmp(name, MANIFEST_NAME)
+                      or is_atomic_tmp(name, _owner.OWNER_NAME)):
+                    out.append((d, name, None))
+        return out
 
     def remove_unreferenced(self, referenced: set[str]) -> None:
-        """Remove data files the (known, valid) manifest does not name.
+        """Remove aioswap files the (known, valid) manifest does not need, in every directory.
 
-        Those are left by an interrupted swap, or are old versions whose removal was
-        interrupted: the published manifest never needs them.
+        Those are left by an interrupted swap, are old versions whose removal was interrupted,
+        or are the temporaries of a layout or record that was being replaced: the published
+        manifest never needs them. In a directory that had no owner record before this open
+        (written by an aioswap without them, or a new one), data files the manifest does not
+        name are moved to ``orphans/`` instead: nothing proves they were this swapper's.
         """
-        for fname in self.data_files():
-            if fname not in referenced:
-                _log.info("removing %s from %s: left by an interrupted swap", fname, self.path)
-                self.unlink(fname)
+        moves: dict[str, list[str]] = {}
+        for d, name, data in self._scan():
+            if data is not None and data in referenced and name == data + STRIPE_SUFFIX:
+                continue
+            if data is not None and data in referenced and name == data:
+                continue
+            if data is not None and d in self._claimed:
+                moves.setdefault(d, []).append(name)
+                continue
+            _log.info("removing %s from %s: left by an interrupted swap", name, d)
+            try:
+                os.unlink(os.path.join(d, name))
+            except FileNotFoundError:
+                pass
+        for d, names in moves.items():
+            self._to_orphans(d, names)
 
     def keep_orphans(self) -> None:
-        """Move data files of a directory without a manifest to ``orphans/``, loudly.
+        """Move the data files of a set without a manifest to ``orphans/``, loudly.
 
         Without a manifest nothing says which of them hold complete data, nor what they are;
         they are not deleted (a user may have lost the manifest, not the data).
         """
-        files = sorted(f for f in os.listdir(self.path) if is_data_file(f))
-        if not files:
-            return
-        dest = self.join(ORPHANS_DIR)
+        moves: dict[str, list[str]] = {}
+        for d, name, data in self._scan():
+            if data is not None:
+                moves.setdefault(d, []).append(name)
+            else:
+                os.unlink(os.path.join(d, name))
+        for d, names in moves.items():
+            self._to_orphans(d, names)
+
+    def _to_orphans(self, d: str, names: list[str]) -> None:
+        dest = os.path.join(d, ORPHANS_DIR)
         try:
             os.mkdir(dest, _dir_mode(self.mode))
         except FileExistsError:
             pass
-        dfd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        sfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            for fname in files:
-                os.rename(fname, fname, src_dir_fd=self.dir_fd, dst_dir_fd=dfd)
-            os.fsync(dfd)
+            dfd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            try:
+                for name in names:
+                    os.rename(name, name, src_dir_fd=sfd, dst_dir_fd=dfd)
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+            os.fsync(sfd)
         finally:
-            os.close(dfd)
-        self.fsync()
-        warnings.warn(f"swap directory {self.path!r} has no manifest but {len(files)} aioswap "
-                      f"data file(s); they were moved, not deleted, to {dest!r} (remove them "
-                      f"when they are not needed)", RuntimeWarning, stacklevel=4)
+            os.close(sfd)
+        warnings.warn(f"swap directory {d!r} held {len(names)} aioswap file(s) that no manifest "
+                      f"of this swapper names; they were moved, not deleted, to {dest!r} "
+                      f"(remove them when they are not needed)", RuntimeWarning, stacklevel=5)
 
     def remove_own_files(self) -> None:
-        """Remove data files, manifest and marker (never other files, never a tree)."""
-        for fname in self.data_files():
-            self.unlink(fname)
-        for fname in (MANIFEST_NAME, MANIFEST_TMP, CREATED_NAME):
+        """Remove data files, layouts, temporaries, manifest, owner records and marker in every
+        directory (never other files, never a tree)."""
+        for d, name, _ in self._scan():
+            try:
+                os.unlink(os.path.join(d, name))
+            except FileNotFoundError:
+                pass
+        for fname in (MANIFEST_NAME, MANIFEST_TMP, CREATED_NAME, _owner.OWNER_NAME):
             self.unlink(fname)
 
 

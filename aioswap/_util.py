@@ -11,7 +11,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["first_error", "flat_bytes", "fsync_dir", "round_up", "wait_all", "write_atomic"]
+__all__ = ["first_error", "flat_bytes", "fsync_dir", "is_atomic_tmp", "round_up", "wait_all",
+           "write_atomic"]
 
 
 def round_up(n: int, align: int) -> int:
@@ -43,19 +44,26 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o600) -> None:
-    """Write ``data`` as file ``path`` atomically and durably: a uniquely named temporary
-    file beside it (permission bits ``mode``), fsynced, renamed over ``path``, and the
-    directory fsynced. A crash or an error leaves the old file (and no temporary)."""
+def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o600, *,
+                 durable: bool = True) -> None:
+    """Write ``data`` as file ``path`` atomically: a uniquely named temporary file beside it
+    (``<path>.<pid>-<random>.tmp``, created exclusively, so never through a planted link,
+    with exactly the permission bits ``mode``), renamed over ``path``. ``durable``: the
+    temporary is fsynced before the rename and the directory after it. A crash leaves the
+    old file (and perhaps a temporary, which :func:`is_atomic_tmp` recognises); an error
+    leaves the old file and no temporary."""
     path = os.fspath(path)
     tmp = f"{path}.{os.getpid()}-{os.urandom(6).hex()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                 mode)
     try:
         try:
+            os.fchmod(fd, mode)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -65,7 +73,20 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o600) -
         except FileNotFoundError:
             pass
         raise
-    fsync_dir(os.path.dirname(path) or ".")
+    if durable:
+        fsync_dir(os.path.dirname(path) or ".")
+
+
+def is_atomic_tmp(name: str, of: str) -> bool:
+    """Whether file name ``name`` is a temporary that :func:`write_atomic` of a file named
+    ``of`` leaves after a crash (or the ``<of>.tmp`` of earlier versions)."""
+    if not name.startswith(of + ".") or not name.endswith(".tmp"):
+        return False
+    mid = name[len(of) + 1:-4]
+    if not mid:
+        return True
+    pid, _, rand = mid.partition("-")
+    return pid.isdigit() and len(rand) == 12 and all(c in "0123456789abcdef" for c in rand)
 
 
 def first_error(futures: Iterable[concurrent.futures.Future[Any]]) -> BaseException | None:

@@ -534,6 +534,7 @@ class AioHandle:
         self._files: collections.OrderedDict[tuple[int, int], AioFile] = \
             collections.OrderedDict()
         self._opens = 0
+        self._file_uses: dict[AioFile, tuple[int, float]] = {}     # see _sweep_files
         try:
             for i in range(cfg.intra_op_parallelism):
                 self._lanes.append(_Lane(cfg, bounce_bytes, i, backend))
@@ -640,14 +641,15 @@ class AioHandle:
     # -- files -----------------------------------------------------------------------------
     @overload
     def open(self, path: PathLike, mode: str = ..., *, perm: int = ...,
-             stripe: None = ...) -> AioFile: ...
+             stripe: None = ..., follow_symlinks: bool = ...) -> AioFile: ...
 
     @overload
     def open(self, path: list[PathLike] | tuple[PathLike, ...], mode: str = ..., *,
-             perm: int = ..., stripe: int | None = ...) -> StripedFile: ...
+             perm: int = ..., stripe: int | None = ...,
+             follow_symlinks: bool = ...) -> StripedFile: ...
 
     def open(self, path: Any, mode: str = "r", *, perm: int = _files.DEFAULT_FILE_MODE,
-             stripe: int | None = None) -> AioFile | StripedFile:
+             stripe: int | None = None, follow_symlinks: bool = True) -> AioFile | StripedFile:
         """Open ``path`` once for many requests.
 
         A list or tuple of paths (one part file per drive) opens one striped file over
@@ -662,6 +664,9 @@ class AioHandle:
             contents (writes are still positional).
         perm : int
             Mode bits of a created file; default 0o600 (private).
+        follow_symlinks : bool
+            False: a symbolic link at ``path`` (at each part, for a striped file) is refused
+            (``O_NOFOLLOW``), never followed.
 
         Returns
         -------
@@ -671,10 +676,12 @@ class AioHandle:
         """
         if isinstance(path, (list, tuple)):
             from aioswap import stripe as _stripe
-            return _stripe.open_striped(self, path, mode, stripe=stripe, perm=perm)
+            return _stripe.open_striped(self, path, mode, stripe=stripe, perm=perm,
+                                        follow_symlinks=follow_symlinks)
         self._check(f"open of {describe(path)}")
         return _files.open_path(self, path, mode, perm=perm, on_buffered=self._buffered_warn,
-                                direct=not self._buffered_only)
+                                direct=not self._buffered_only,
+                                follow_symlinks=follow_symlinks)
 
     def adopt(self, fd: int, *, name: str | None = None) -> AioFile:
         """Take over ``fd``, a regular file or block device the caller opened (with flags of
@@ -1009,6 +1016,7 @@ class AioHandle:
                 self._idle.wait()
             files = list(self._files.values())
             self._files.clear()
+        _files.sweeper.forget(self)
         for f in files:
             f.close()
         for lane in self._lanes:
@@ -1180,13 +1188,7 @@ class AioHandle:
         with self._lock:
             self._opens += 1
             kept = list(files.values()) if self._opens % 8 == 0 or len(files) <= 8 else []
-        gone = set()
-        for k in kept:
-            try:
-                if os.fstat(k.fileno()).st_nlink == 0:
-                    gone.add(k.key)
-            except (OSError, ValueError):       # ValueError: closed meanwhile
-                gone.add(k.key)
+        gone = {k.key for k in kept if _files.deleted(k)}
         evicted: list[AioFile] = []
         with self._lock:
             closed = self._closed
@@ -1204,6 +1206,7 @@ class AioHandle:
                     files[f.key] = f
                     while len(files) > _MAX_FILES:
                         evicted.append(files.popitem(last=False)[1])
+                    _files.sweeper.watch(self._sweep_files)
                 f.use()                         # pinned: unpinned by the request's end
         for e in evicted:
             e.close()                           # after the requests in flight on it
@@ -1211,6 +1214,51 @@ class AioHandle:
             f.close()
             raise HandleClosedError(f"I/O on {describe(file)} on a closed AioHandle")
         return f
+
+    def _sweep_files(self, now: float) -> bool:
+        """Close the descriptors kept for path and fd arguments whose file was deleted, or
+        that no request used for :data:`aioswap._files.IDLE_CLOSE_S` seconds (called about
+        once a second by :data:`aioswap._files.sweeper`); whether any is still kept."""
+        with self._lock:
+            if self._closed:
+                return False
+            kept = list(self._files.items())
+        seen = self._file_uses
+        drop = []
+        for key, f in kept:
+            uses = f.uses
+            last = seen.get(f)
+            if last is None or last[0] != uses:
+                seen[f] = (uses, now)
+                last = seen[f]
+            if not f.busy and (now - last[1] >= _files.IDLE_CLOSE_S or _files.deleted(f)):
+                drop.append((key, f))
+        closing = []
+        with self._lock:
+            for key, f in drop:
+                if self._files.get(key) is f and not f.busy:
+                    del self._files[key]
+                    closing.append(f)
+            left = bool(self._files)
+            live = set(self._files.values())
+        for f in list(seen):
+            if f not in live:
+                del seen[f]
+        for f in closing:
+            f.close()
+        return left
+
+    def close_files(self) -> int:
+        """Close the descriptors the handle keeps for path and fd arguments (each once the
+        requests in flight on it are finished); returns how many. A later request on such a
+        path or fd opens the file again. The handle also closes one by itself when its file
+        is deleted, or after :data:`aioswap._files.IDLE_CLOSE_S` seconds unused."""
+        with self._lock:
+            files = list(self._files.values())
+            self._files.clear()
+        for f in files:
+            f.close()
+        return len(files)
 
     def _release(self, req: _Request) -> None:
         """A request is over: give back its file and let close() go on."""

@@ -64,6 +64,7 @@ import base64
 import errno
 import json
 import os
+import stat
 import threading
 import time
 import uuid
@@ -77,7 +78,7 @@ import numpy as np
 from aioswap import _aio
 from aioswap._buffers import resolve
 from aioswap._files import DEFAULT_FILE_MODE, PathLike
-from aioswap._util import first_error, flat_bytes, fsync_dir, round_up
+from aioswap._util import first_error, flat_bytes, round_up, write_atomic
 from aioswap.errors import HandleClosedError, ShortReadError
 from aioswap.handle import AioFile, AioHandle, IOFuture
 
@@ -141,19 +142,34 @@ def _sidecar(path: str) -> str:
     return path + LAYOUT_SUFFIX
 
 
-def read_layout(path: PathLike) -> dict[str, Any]:
+def read_layout(path: PathLike, *, follow_symlinks: bool = True) -> dict[str, Any]:
     """The layout sidecar of part file ``path``, validated, with ``drives`` and ``slots``
-    decoded to lists (``slots`` None when implied)."""
+    decoded to lists (``slots`` None when implied). ``follow_symlinks=False``: a sidecar that
+    is a symbolic link is refused. A sidecar that is not a regular file (a FIFO...) is
+    refused, never waited on."""
     name = os.fsdecode(path)
     side = _sidecar(name)
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow_symlinks
+                                                         else os.O_NOFOLLOW)
     try:
-        with open(side, "rb") as f:
-            doc = json.load(f)
+        fd = os.open(side, flags)
     except FileNotFoundError:
         raise FileNotFoundError(errno.ENOENT, "no stripe layout beside the part file "
                                 "(not a striped file, or not created yet)", side) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_symlinks:
+            raise OSError(errno.ELOOP, "stripe layout is a symbolic link; refusing to follow "
+                          "it", side) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "stripe layout is not a regular file", side)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            doc = json.load(f)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"{side!r}: not a stripe layout ({exc})") from None
+    finally:
+        os.close(fd)
     ok = (isinstance(doc, dict) and doc.get("format") == LAYOUT_FORMAT
           and all(type(doc.get(k)) is int and doc[k] >= 0
                   for k in ("part", "parts", "stripe_unit", "generation", "size", "stripes"))
@@ -178,6 +194,27 @@ def read_layout(path: PathLike) -> dict[str, Any]:
     doc["drives"], doc["slots"] = drives, slots
     out: dict[str, Any] = doc
     return out
+
+
+def _distinct(names: list[str]) -> None:
+    """Refuse two paths to one part: compared by the identity (device, inode) of their
+    directories and their names, so a bind mount or a symbolic link to a directory (as
+    containers make them) cannot give two parts one file."""
+    seen: dict[object, str] = {}
+    for p in names:
+        d, base = os.path.split(p)
+        try:
+            st = os.stat(d or ".")
+        except FileNotFoundError:
+            key: object = os.path.realpath(p)       # the open then names the missing one
+            where = ""
+        else:
+            key = (st.st_dev, st.st_ino, base)
+            where = f" (one directory: device {st.st_dev}, inode {st.st_ino})"
+        if key in seen:
+            raise ValueError(f"the part paths must be distinct files: {seen[key]!r} and "
+                             f"{p!r} are the same file{where}")
+        seen[key] = p
 
 
 def _ranks(drives: Sequence[int]) -> list[int]:
@@ -262,7 +299,8 @@ class StripedFile:
     """
 
     def __init__(self, handle: AioHandle, paths: Sequence[PathLike], mode: str = "r", *,
-                 stripe: int | None = None, perm: int = DEFAULT_FILE_MODE) -> None:
+                 stripe: int | None = None, perm: int = DEFAULT_FILE_MODE,
+                 follow_symlinks: bool = True) -> None:
         self._closed = True
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
@@ -271,8 +309,7 @@ class StripedFile:
         names = [os.path.abspath(os.fsdecode(p)) for p in paths]
         if not 1 <= len(names) <= _MAX_PARTS:
             raise ValueError(f"a striped file has 1 to {_MAX_PARTS} parts, got {len(names)}")
-        if len({os.path.realpath(p) for p in names}) != len(names):
-            raise ValueError(f"the part paths must be distinct files: {names}")
+        _distinct(names)
         if stripe is not None:
             stripe = int(stripe)
             if stripe <= 0 or stripe % _ALIGN:
@@ -284,7 +321,7 @@ class StripedFile:
         self.writable = mode != "r"
         existing = [os.path.exists(_sidecar(p)) for p in names]
         if mode in ("r", "r+") or (mode == "a+" and all(existing)):
-            names, doc = self._load(names, stripe)
+            names, doc = self._load(names, stripe, follow_symlinks)
         elif mode == "a+" and any(existing):
             missing = [p for p, e in zip(names, existing) if not e]
             raise FileExistsError(errno.EEXIST, "some parts have a stripe layout and some do "
@@ -353,7 +390,12 @@ class StripedFile:
                 dh = _acquire_drive(handle, dev)
                 self._devs.append(dev)
                 hs.append(dh)
-                self._files.append(dh.open(p, fmode, perm=perm))
+                self._files.append(dh.open(p, fmode, perm=perm,
+                                           follow_symlinks=follow_symlinks))
+            keys = {f.key: f.name for f in self._files}
+            if len(keys) != len(self._files):
+                raise ValueError(f"the part paths must be distinct files: two of {names} "
+                                 f"are one file (a hard link)")
             for f in self._files:
                 if unit % max(f.off_align, 1) or unit % max(f.mem_align, 1):
                     raise ValueError(f"stripe unit {unit} is not a multiple of the direct-I/O "
@@ -375,8 +417,9 @@ class StripedFile:
 
     # -- opening --------------------------------------------------------------------------
     @staticmethod
-    def _load(names: list[str], stripe: int | None) -> tuple[list[str], dict[str, Any]]:
-        docs = [read_layout(p) for p in names]
+    def _load(names: list[str], stripe: int | None,
+              follow_symlinks: bool) -> tuple[list[str], dict[str, Any]]:
+        docs = [read_layout(p, follow_symlinks=follow_symlinks) for p in names]
         first = docs[0]
         for p, doc in zip(names, docs):
             if doc["id"] != first["id"] or doc["parts"] != first["parts"]:
@@ -452,20 +495,10 @@ class StripedFile:
                     "slots": None if implied else base64.b64encode(zlib.compress(
                         np.asarray(slot, "<i8").tobytes())).decode()}
             for i, p in enumerate(self.paths):
-                doc = dict(body, part=i)
-                side = _sidecar(p)
-                tmp = f"{side}.tmp"
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                             self._perm)
-                try:
-                    os.write(fd, json.dumps(doc, sort_keys=True).encode())
-                    if durable:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.replace(tmp, side)
-                if durable:
-                    fsync_dir(os.path.dirname(side) or ".")
+                # a temporary created exclusively (never through a planted link), removed on
+                # an error (ENOSPC...); after a crash the swapper's next open removes it
+                write_atomic(_sidecar(p), json.dumps(dict(body, part=i), sort_keys=True)
+                             .encode(), self._perm, durable=durable)
             self._saved_gen = gen
             self._saved_durable = durable
 
@@ -1132,7 +1165,8 @@ class StripedFile:
 
 
 def open_striped(handle: AioHandle, paths: Sequence[PathLike], mode: str = "r", *,
-                 stripe: int | None = None, perm: int = DEFAULT_FILE_MODE) -> StripedFile:
+                 stripe: int | None = None, perm: int = DEFAULT_FILE_MODE,
+                 follow_symlinks: bool = True) -> StripedFile:
     """Open one logical file striped over ``paths`` (one part file per drive).
 
     Parameters
@@ -1150,9 +1184,14 @@ def open_striped(handle: AioHandle, paths: Sequence[PathLike], mode: str = "r", 
         alignment; default :func:`default_stripe`. Reopening uses the recorded one.
     perm : int
         Mode bits of created parts and sidecars (0o600).
+    follow_symlinks : bool
+        False: a part or layout sidecar that is a symbolic link is refused (``O_NOFOLLOW``),
+        never followed. Two paths to one part (the same directory through a bind mount or a
+        link, or a hard link) are always refused.
 
     Returns
     -------
     StripedFile
     """
-    return StripedFile(handle, paths, mode, stripe=stripe, perm=perm)
+    return StripedFile(handle, paths, mode, stripe=stripe, perm=perm,
+                       follow_symlinks=follow_symlinks)

@@ -97,6 +97,7 @@ several roots (one per drive), ranks spread over the roots round-robin.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import hashlib
 import logging
 import os
@@ -109,7 +110,8 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union
 
 from aioswap import _checksum, _tree
 from aioswap._aio import DEFAULT_ALIGNMENT
-from aioswap._claims import NameClaims, Released, Releases, guard, storage_key, unguard
+from aioswap._claims import (NameClaims, Released, Releases, guard, released_as,
+                             storage_key, unguard)
 from aioswap._files import AioFile
 from aioswap._manifest import (LOCK_NAME, MANIFEST_NAME, Change, Entry, Manifest,
                                SwapDirectory, Tree)
@@ -375,10 +377,14 @@ class TensorSwapper:
         Several directories (one per drive, e.g. ``["/nvme0/swap", "/nvme1/swap"]``): every
         data file written is striped over all of them (:mod:`aioswap.stripe`: each drive its
         own queue, stripe units handed to the drive that frees up first, so a slower drive
-        takes less). The first directory holds the manifest; reopen with the same first
-        directory and all the others, in any order. Each directory is locked while the
-        swapper is open. Files written with fewer directories stay readable; a striped file
-        opened without its other directories is refused, naming them.
+        takes less). Each directory records that it belongs to this swapper
+        (``aioswap-owner.json``: the swapper set's id, the device and inode of the
+        directory and of the one holding the manifest), so a directory of another swapper
+        is refused (nothing of it is ever deleted), two paths to one directory (a bind
+        mount) are refused, and the directories can be given in any order when reopening.
+        Each directory is locked while the swapper is open. Files written with fewer
+        directories stay readable after one is added; a striped file read without one of
+        its directories is refused, naming the parts found.
     handle : AioHandle, optional
         The handle that moves the bytes; it stays open when the swapper closes. Default: a
         handle built from ``config`` and owned (closed) by the swapper.
@@ -468,9 +474,6 @@ class TensorSwapper:
             dirs = [os.path.abspath(os.fspath(d)) for d in directory]
         else:
             dirs = [os.path.abspath(os.fspath(directory))]
-        if len({os.path.realpath(d) for d in dirs}) != len(dirs):
-            raise ValueError(f"the swap directories must be distinct: {dirs}")
-        self._path = dirs[0]
         self._verify = bool(verify)
         self._algo = checksum
         self._pin = pin_memory if pin_memory is None else bool(pin_memory)
@@ -483,7 +486,8 @@ class TensorSwapper:
         # drops out when it completes, so a long run that never waits does not grow this)
         self._outstanding: dict[concurrent.futures.Future[Any], None] = {}
         self._async_count = 0
-        self._dir = SwapDirectory(self._path, mode, dirs[1:])
+        self._dir = SwapDirectory(dirs, mode)
+        self._path = self._dir.path
         self._mode = mode
         try:
             self._m = Manifest(self._dir, self._lock)
@@ -553,13 +557,14 @@ class TensorSwapper:
     # -- properties ------------------------------------------------------------------------
     @property
     def directory(self) -> str:
-        """Absolute path of the swap directory (the first one, with the manifest)."""
+        """Absolute path of the swap directory that holds the manifest (with several, the
+        one whose owner record says so, whatever the order they were given in)."""
         return self._path
 
     @property
     def directories(self) -> tuple[str, ...]:
-        """Absolute paths of every swap directory; data files are striped over them when
-        there are several."""
+        """Absolute paths of every swap directory, :attr:`directory` first; data files are
+        striped over them when there are several."""
         return (self._path, *self._dir.extra)
 
     @property
@@ -690,9 +695,7 @@ class TensorSwapper:
                     entry = self._write_single(name, t, seq)
                     self._m.commit(Change([entry], [], files=[entry.file]))
                     with self._lock:
-                        self._released.forget(name)
-                        if release:
-                            self._released.release(name, tensor)
+                        self._released.overwritten(name, tensor, release)
                     return self.info(name)
                 finally:
                     self._unclaim([name], ev)
@@ -772,9 +775,7 @@ class TensorSwapper:
                                f"and the swap directory is unchanged")
                 raise
             finally:
-                fd.close()
-                if not ok:
-                    self._dir.unlink(fname)
+                self._close_new([(fname, fd)], ok)
         finally:
             if staged:
                 self._staging.release(staged)
@@ -789,7 +790,7 @@ class TensorSwapper:
                 fname = f"{stem}{os.urandom(16 if stem == 'p-' else 8).hex()}.bin"
                 try:
                     return fname, open_striped(self._handle, self._dir.parts(fname), "x",
-                                               perm=self._mode)
+                                               perm=self._mode, follow_symlinks=False)
                 except FileExistsError:     # pragma: no cover - 64+ random bits
                     continue
                 except BaseException:
@@ -803,17 +804,45 @@ class TensorSwapper:
             self._dir.unlink(fname)
             raise
 
+    def _missing_part(self, who: str, fname: str, parts: list[str],
+                      exc: BaseException) -> SwapError:
+        return SwapError(f"{who}: its data file {fname!r} is striped over several directories "
+                         f"(drives); open the swapper with all of them, in any order (found "
+                         f"parts: {parts}): {exc}")
+
+    def _close_new(self, files: list[tuple[str, _DataFile]], ok: bool) -> None:
+        """Close the data files a swap-out wrote; unless all went well (``ok``) and every
+        close did too, remove them all, so a failed swap-out leaves nothing behind (closing a
+        striped file writes its layout, which can fail: ENOSPC). Raises the first close
+        error when there was no other."""
+        first: BaseException | None = None
+        for _, fd in files:
+            try:
+                fd.close()
+            except BaseException as exc:
+                first = first or exc
+        if ok and first is None:
+            return
+        for fname, _ in files:
+            self._dir.unlink(fname)
+        if ok and first is not None:
+            _add_note(first, "aioswap: closing a new data file failed; nothing was published "
+                             "and the swap directory is unchanged")
+            raise first
+
     def _open(self, fname: str, who: str) -> tuple[_DataFile, int]:
         """A data file opened for reading through the handle, and its size."""
         if self._dir.is_striped(fname):
-            parts = self._dir.parts(fname)
+            parts = self._dir.parts_of(fname)
             try:
-                f = open_striped(self._handle, parts, "r")
-            except (OSError, ValueError) as exc:
-                raise SwapError(f"{who}: its data file {fname!r} is striped over several "
-                                f"directories (drives); open the swapper with all of them "
-                                f"(the first being {self._path!r}; given: {parts}): {exc}"
-                                ) from exc
+                f = open_striped(self._handle, parts, "r", follow_symlinks=False)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.EINVAL):    # a link, a FIFO...
+                    raise SwapError(f"{who}: a part of its data file {fname!r} cannot be "
+                                    f"used: {exc}") from exc
+                raise self._missing_part(who, fname, parts, exc) from exc
+            except ValueError as exc:
+                raise self._missing_part(who, fname, parts, exc) from exc
             return f, f.size()
         fd, size = self._dir.open_data(fname, who)
         try:
@@ -941,10 +970,7 @@ class TensorSwapper:
             raise
         finally:
             concurrent.futures.wait(futs)       # never unlink under requests in flight
-            for fname, fd, _ in files:
-                fd.close()
-                if not ok:
-                    self._dir.unlink(fname)
+            self._close_new([(fname, fd) for fname, fd, _ in files], ok)
         return Change(entries, [], files=[f for f, _, _ in files],
                       packs={f: s for f, _, s in files})
 
@@ -1347,6 +1373,11 @@ class TensorSwapper:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"swap_in of {name!r}: out must be a torch.Tensor, got "
                             f"{type(out).__name__}")
+        was = released_as(out)
+        if was is not None:
+            raise SwapError(f"swap_in of {name!r}: out is the tensor released as {was!r}, "
+                            f"which can no longer be restored: {was!r} was removed, or "
+                            f"overwritten with a tensor of another shape or dtype, since")
         if tuple(out.shape) != e.shape:
             raise SwapError(f"swap_in of {name!r}: out has shape {tuple(out.shape)}, the "
                             f"tensor was swapped out with shape {e.shape}")
@@ -1452,9 +1483,7 @@ class TensorSwapper:
                         self._m.commit(change)
                     with self._lock:
                         for n, tensor, _ in items:
-                            self._released.forget(n)
-                            if release:
-                                self._released.release(n, tensor)
+                            self._released.overwritten(n, tensor, release)
                     return names
                 finally:
                     self._unclaim(names, ev)

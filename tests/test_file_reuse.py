@@ -124,6 +124,73 @@ def test_deleted_files_are_let_go(tmp_path: Path) -> None:
     assert _fds() < base
 
 
+def _held(path: Path) -> int:
+    """Descriptors of this process open on ``path`` (deleted or not)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target in (str(path), f"{path} (deleted)"):
+            n += 1
+    return n
+
+
+@pytest.mark.parametrize("route", ["path", "fd"])
+def test_a_deleted_or_idle_file_is_let_go_without_another_request(
+        tmp_path: Path, route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handle's own descriptor of a file the caller is done with goes by itself: at once
+    (within a sweep, ~1 s) when the file is deleted, after IDLE_CLOSE_S when it is idle;
+    nothing else needs to happen on the handle. A file in use is never closed under its
+    requests, and a later request opens it again."""
+    from aioswap import _files
+    monkeypatch.setattr(_files, "IDLE_CLOSE_S", 1.5)
+    t = torch.arange(8 * KiB, dtype=torch.int32).view(torch.uint8)
+    with aioswap.AioHandle() as h:
+        gone, idle = tmp_path / "gone.bin", tmp_path / "idle.bin"
+        for p in (gone, idle):
+            if route == "fd":
+                fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o600)
+                h.pwrite(t, fd)
+                os.close(fd)                  # the caller is done with it
+            else:
+                h.pwrite(t, p)
+            assert _held(p) == 1              # the handle's own descriptor
+        os.unlink(gone)
+        deadline = time.monotonic() + 10
+        while _held(gone) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _held(gone) == 0
+        assert time.monotonic() < deadline
+        t0 = time.monotonic()
+        while _held(idle) and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        assert _held(idle) == 0
+        back = torch.empty_like(t)
+        assert h.pread(back, idle) == t.nbytes and torch.equal(back, t)
+        assert _held(idle) == 1               # opened again
+
+
+def test_deepnvme_keeps_no_descriptor_after_its_calls(tmp_path: Path) -> None:
+    """DeepNVMe opens and closes per call; its drop-in keeps nothing once a call (or wait())
+    returned, so a writer that closes and deletes its file frees the space at once."""
+    from aioswap.compat.deepnvme import aio_handle
+    h = aio_handle()
+    t = torch.arange(64 * KiB, dtype=torch.uint8)
+    p = tmp_path / "ds.bin"
+    assert h.sync_pwrite(t, str(p)) == 1
+    assert _held(p) == 0
+    fd = os.open(p, os.O_RDWR)
+    assert h.async_pwrite(t, None, 0, fd=fd) == 0 and h.wait() == 1
+    os.close(fd)
+    assert _held(p) == 0
+    back = torch.empty_like(t)
+    h.read(back, str(p))
+    assert torch.equal(back, t) and _held(p) == 0
+    h.close()
+
+
 def test_eight_threads_mixed_routes_byte_exact(tmp_path: Path) -> None:
     """8 threads, each on its own region, through open files, fds and paths, sync and
     async, locked and plain memory; then every byte compared with os.pread."""

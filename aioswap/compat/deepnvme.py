@@ -301,7 +301,10 @@ class aio_handle:  # noqa: N801  (DeepNVMe's spelling)
              file_offset: int = 0, *, fd: int | None = None) -> int:
         """Blocking read of the whole buffer; returns 0 (DeepNVMe's success value)."""
         file = _pick_file("read", filename, fd)
-        self._h.pread(buffer, file, file_offset)
+        try:
+            self._h.pread(buffer, file, file_offset)
+        finally:
+            self._h.close_files()
         if validate:
             _validate(buffer, file, file_offset)
         return 0
@@ -310,7 +313,10 @@ class aio_handle:  # noqa: N801  (DeepNVMe's spelling)
               file_offset: int = 0, *, fd: int | None = None) -> int:
         """Blocking write of the whole buffer; returns 0."""
         file = _pick_file("write", filename, fd)
-        self._h.pwrite(buffer, file, file_offset)
+        try:
+            self._h.pwrite(buffer, file, file_offset)
+        finally:
+            self._h.close_files()
         if validate:
             _validate(buffer, file, file_offset)
         return 0
@@ -367,6 +373,9 @@ class aio_handle:  # noqa: N801  (DeepNVMe's spelling)
         try:
             n = self._h.wait()
         finally:
+            # as DeepNVMe, no descriptor outlives the calls that used it: a caller that
+            # closes or deletes its file next (DeepSpeed's FastFileWriter) frees it at once
+            self._h.close_files()
             if futs:
                 concurrent.futures.wait(futs)       # the drives' own handles
             checks, self._to_validate = self._to_validate, []
