@@ -531,8 +531,16 @@ class SwapDirectory:
                 os.unlink(os.path.join(d, name))
             except FileNotFoundError:
                 pass
-        for fname in (MANIFEST_NAME, MANIFEST_TMP, CREATED_NAME, _owner.OWNER_NAME):
-            self.unlink(fname)
+        # in an order that a crash can stop anywhere: the members' records go before the
+        # primary's, so no member is left naming a primary without a record
+        for d, fname in ([(self.path, n) for n in (MANIFEST_NAME, MANIFEST_TMP)]
+                         + [(d, n) for d in self.extra for n in (_owner.OWNER_NAME,
+                                                                 CREATED_NAME)]
+                         + [(self.path, n) for n in (CREATED_NAME, _owner.OWNER_NAME)]):
+            try:
+                os.unlink(os.path.join(d, fname))
+            except FileNotFoundError:
+                pass
 
 
 # ----------------------------------------------------------------------------------------

@@ -190,5 +190,8 @@ def arrange(found: Sequence[Found]) -> Plan:
             claimed.append(i)
         if f.owner != want:
             writes.append((i, want))
+    # the primary's record first: a crash between two writes must never leave members
+    # naming a primary that has no record (they would be refused until repaired)
+    writes.sort(key=lambda w: w[0] != p)
     order = [p] + [i for i in range(len(found)) if i != p]
     return Plan(order, set_id, writes, claimed)
