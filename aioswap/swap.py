@@ -31,12 +31,21 @@ A swap directory holds, besides whatever else was already in it:
 ``aioswap.lock``
     ``flock``-ed for as long as a swapper has the directory open; a second swapper, in this
     process or another, gets a :class:`~aioswap.errors.SwapError` naming the holder's pid.
+``aioswap-owner.json``
+    Which swapper set the directory belongs to (:mod:`aioswap._owner`): a random set id,
+    ``"primary"`` (holds the manifest) or ``"member"`` (holds parts of striped files), and
+    the device and inode of the directory and of the set's primary. A swapper uses only
+    directories of its own set (or without a record, which it then claims), so it never
+    removes another's files; with several directories the primary is found by its record,
+    whatever their order. Two paths to one directory (bind mounts) are refused.
 ``aioswap-created``
     Present only when the swapper created the directory; :meth:`TensorSwapper.destroy`
     removes the directory only then (with ``os.rmdir``: never a tree).
 ``orphans/``
-    Only when a directory without a manifest held aioswap data files: they are moved there
-    (with a ``RuntimeWarning``), never deleted, since nothing says what they hold.
+    Only when a directory without a manifest held aioswap data files, or a directory first
+    claimed by this swapper (no owner record yet) held data files its manifest does not
+    name: they are moved there (with a ``RuntimeWarning``), never deleted, since nothing says
+    what they hold.
 
 In tensor data, elements are in row-major (C-contiguous) order. Data files, manifest, lock
 and marker are created with mode ``mode`` (default 0600: swapped tensors are often weights or
@@ -50,8 +59,10 @@ published, so a crash at any point leaves either the old or the new manifest, ea
 only complete, durable files. An error that arrives after the new manifest was renamed into
 place (a failed final directory fsync, a signal) is raised, but the change stays published
 and nothing either manifest names is deleted. Files no manifest names (an interrupted swap,
-an old version whose unlink was interrupted) are removed at the next open, and so is a stale
-``.tmp`` manifest. Nothing else in the directory is ever touched.
+an old version whose unlink was interrupted, the parts of a failed striped swap-out) are
+removed at the next open in every directory of the set, and so are stale temporaries of the
+manifest, the owner record and stripe layouts. Nothing else in the directories is ever
+touched.
 
 Space: a data file is deleted as soon as no published entry names it (per-file reference
 counting, after the manifest that dropped the last entry is durable; files an overwrite made
