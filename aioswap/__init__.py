@@ -4,7 +4,7 @@ from aioswap.config import AioConfig
 from aioswap.errors import (AioswapError, AioswapWarning, ChecksumError, ConfigError,
                             CuFileError, CuFileUnavailable, DirectIOFallbackWarning,
                             DirectIOUnsupportedError, HandleClosedError, PinnedMemoryError,
-                            ShortReadError, SwapError, TuneError)
+                            PinnedMemoryWarning, ShortReadError, SwapError, TuneError)
 from aioswap.gds import GdsHandle
 from aioswap.handle import AioFile, AioHandle, HandleStats, IOFuture
 from aioswap.pinned import PinnedRegistry, is_pinned
@@ -32,6 +32,7 @@ __all__ = [
     "HandleStats",
     "IOFuture",
     "PinnedMemoryError",
+    "PinnedMemoryWarning",
     "PinnedRegistry",
     "ShortReadError",
     "Stream",

@@ -93,6 +93,10 @@ class PinnedMemoryWarning(AioswapWarning):
 
     A ``UserWarning`` rather than a ``ResourceWarning`` so that it is shown by default: the
     fallback works, but direct I/O on that memory is off and transfers go through bounce
-    buffers. It is issued once per process; every fallback is also logged at INFO level on
-    the ``"aioswap"`` logger. Also importable as ``aioswap.pinned.PinnedMemoryWarning``.
+    buffers. It is issued once per process, as one line naming the limit and how to raise it
+    (``aioswap: 64 MiB not page-locked (mlock EAGAIN, RLIMIT_MEMLOCK 8 MiB); I/O works,
+    slower; raise it with `ulimit -l unlimited```). Every fallback is also logged at DEBUG
+    level on the ``"aioswap"`` logger with the full explanation (the hard limit, what is
+    locked already, limits.conf, systemd, docker, CAP_IPC_LOCK). Exported as
+    ``aioswap.PinnedMemoryWarning``; also importable as ``aioswap.pinned.PinnedMemoryWarning``.
     """

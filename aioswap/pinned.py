@@ -267,6 +267,13 @@ def _memlock_message(mapped: int, exc: OSError) -> str:
             f"process CAP_IPC_LOCK")
 
 
+def _memlock_short(exc: OSError) -> str:
+    """Why mlock failed, in a few words, for the once-per-process warning."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    lim = "unlimited" if soft == resource.RLIM_INFINITY else format_size(soft)
+    return f"mlock {errno.errorcode.get(exc.errno or 0, exc.errno)}, RLIMIT_MEMLOCK {lim}"
+
+
 def _shape_of(shape_or_numel: ShapeLike) -> tuple[int, ...]:
     if isinstance(shape_or_numel, Sequence):
         shape = tuple(operator.index(n) for n in shape_or_numel)
@@ -737,7 +744,9 @@ class PinnedRegistry:
                        f"or free pinned memory")
             if strict:
                 raise PinnedMemoryError(message)
-            return self._fallback(nbytes, message, stacklevel + 1)
+            return self._fallback(nbytes, f"pinned memory budget {format_size(budget or 0)} "
+                                  f"reached", "raise it with PinnedRegistry.set_budget()",
+                                  message, stacklevel + 1)
         try:
             mem = LockedMemory(nbytes, True)
         except BaseException as exc:
@@ -750,7 +759,8 @@ class PinnedRegistry:
                 raise PinnedMemoryError(f"{message}; or allocate with strict=False to fall "
                                         f"back to unlocked memory (no direct I/O on it)"
                                         ) from exc
-            return self._fallback(nbytes, message, stacklevel + 1)
+            return self._fallback(nbytes, _memlock_short(exc),
+                                  "raise it with `ulimit -l unlimited`", message, stacklevel + 1)
         rec = _Range(mem.address, mem.address + mem.mapped_bytes, _ALLOCATED)
         rec.ref = weakref.ref(mem)
         with self._critical():
@@ -768,8 +778,11 @@ class PinnedRegistry:
         rec.finalizer = fin
         return mem, rec
 
-    def _fallback(self, nbytes: int, reason: str, stacklevel: int
+    def _fallback(self, nbytes: int, cause: str, fix: str, detail: str, stacklevel: int
                   ) -> tuple[LockedMemory, _Range]:
+        """Unlocked memory, and the first time one short line (what, ``cause``, ``fix``) as a
+        warning; ``detail`` (every way to raise the limit) goes to the debug log: most users
+        meet this once per process, where a paragraph of advice is noise."""
         mem = LockedMemory(nbytes, False)
         rec = _Range(mem.address, mem.address + mem.mapped_bytes, _UNLOCKED)
         rec.ref = weakref.ref(mem)
@@ -780,11 +793,11 @@ class PinnedRegistry:
         fin = weakref.finalize(mem, self._collected, rec)
         fin.atexit = False
         rec.finalizer = fin
-        logger.info("using %d bytes of unlocked memory: %s", nbytes, reason)
+        logger.debug("using %d bytes of unlocked memory (I/O through it is staged, not "
+                     "direct): %s", nbytes, detail)
         if warn:
-            warnings.warn(f"{reason}. Falling back to unlocked memory: transfers through it "
-                          f"are staged, not direct (this warning is shown once per process)",
-                          PinnedMemoryWarning, stacklevel=stacklevel)
+            warnings.warn(f"aioswap: {format_size(mem.mapped_bytes)} not page-locked ({cause}); "
+                          f"I/O works, slower; {fix}", PinnedMemoryWarning, stacklevel=stacklevel)
         return mem, rec
 
     def empty(self, shape_or_numel: ShapeLike, dtype: torch.dtype, *,

@@ -552,6 +552,64 @@ def test_removed_names_and_the_warning_alias() -> None:
     assert pinned.PinnedMemoryWarning is PinnedMemoryWarning
 
 
+def test_the_warning_is_exported_from_the_package() -> None:
+    import aioswap
+    assert aioswap.PinnedMemoryWarning is PinnedMemoryWarning
+    assert "PinnedMemoryWarning" in aioswap.__all__
+    from aioswap import PinnedMemoryWarning as exported
+    assert exported is PinnedMemoryWarning
+
+
+def _one_short_line(message: str) -> None:
+    assert "\n" not in message and len(message) < 160, (len(message), message)
+    assert message.startswith("aioswap: ") and "I/O works, slower; raise it with" in message
+
+
+def test_budget_fallback_warns_one_short_line_and_logs_the_detail(
+        reg: PinnedRegistry, caplog: pytest.LogCaptureFixture) -> None:
+    reg.set_budget(0)
+    with caplog.at_level("DEBUG", logger="aioswap"), \
+            pytest.warns(PinnedMemoryWarning) as caught:
+        mem = reg.allocate(100, strict=False)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    _one_short_line(message)
+    assert message == ("aioswap: 4 KiB not page-locked (pinned memory budget 0 B reached); "
+                       "I/O works, slower; raise it with PinnedRegistry.set_budget()")
+    detail = [r.getMessage() for r in caplog.records if r.name == "aioswap"]
+    assert any("the pinned memory budget is 0 bytes" in d and "staged, not direct" in d
+               for d in detail), detail
+    reg.free(mem)
+
+
+def test_memlock_fallback_warns_one_short_line_naming_the_limit(
+        reg: PinnedRegistry, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """What every user without CAP_IPC_LOCK meets once, when a handle's bounce pool cannot be
+    locked: one line with the limit and the fix; the paragraph goes to the debug log."""
+    import errno
+    import resource
+
+    def refuse(nbytes: int, lock: bool) -> LockedMemory:
+        if lock:
+            raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+        return LockedMemory(nbytes, False)
+    monkeypatch.setattr(pinned, "LockedMemory", refuse)
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else pinned.format_size(soft)
+    with caplog.at_level("DEBUG", logger="aioswap"), \
+            pytest.warns(PinnedMemoryWarning) as caught:
+        a = reg.allocate(64 << 20, strict=False)
+        b = reg.allocate(PAGE_SIZE, strict=False)          # once per process: no second one
+    assert len(caught) == 1 and not a.locked and not b.locked
+    message = str(caught[0].message)
+    _one_short_line(message)
+    assert message == (f"aioswap: 64 MiB not page-locked (mlock EAGAIN, RLIMIT_MEMLOCK "
+                       f"{limit}); I/O works, slower; raise it with `ulimit -l unlimited`")
+    detail = " ".join(r.getMessage() for r in caplog.records if r.name == "aioswap")
+    assert "limits.conf" in detail and "CAP_IPC_LOCK" in detail and "docker" in detail
+
+
 # ---------------------------------------------------------------------- registration
 
 def test_register_is_a_context_manager_and_keeps_its_owner(reg: PinnedRegistry,
@@ -854,7 +912,8 @@ def test_non_root_memlock_limit_strict_fails_and_try_mode_warns_once() -> None:
     assert len(out["warnings"]) == 1, out["warnings"]
     category, message = out["warnings"][0]
     assert category == "PinnedMemoryWarning"
-    assert "RLIMIT_MEMLOCK" in message and "unlocked memory" in message
+    assert "RLIMIT_MEMLOCK 64 KiB" in message and "ulimit -l unlimited" in message
+    assert "\n" not in message and len(message) < 160, message
     assert all(out["fallback"]), out["fallback"]
     assert out["stats"] == [1, 3]
     assert out["reserve_error"].startswith("reserve: cannot lock 1 MiB")
