@@ -7,7 +7,10 @@
 Exit status: 0 on success (bench also when some methods were skipped, as it says), 2 for
 input or an environment that cannot work (bad sizes or knobs, a missing, unwritable or
 non-file-creating directory, no O_DIRECT, no torch, not enough memory or disk, a full disk,
-a closed pipe), 1 when a sweep measured nothing, 130 when interrupted.
+an output that cannot be written: a full device or a closed pipe), 1 when a sweep measured
+nothing, 130 when interrupted, 128 + N for signal N (SIGTERM, SIGHUP). Scratch files are
+removed on every exit but SIGKILL; the next run in that directory removes what a killed one
+left, and says so.
 Units: GB/s = 10^9 bytes per second; sizes take K/M/G/T as powers of 1024; a ratio is
 aioswap / other, so bigger is better.
 """
@@ -26,7 +29,6 @@ import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -59,15 +61,79 @@ class UsageError(Exception):
     """Bad input or an environment that cannot work: one line on stderr, exit status 2."""
 
 
+class OutputError(Exception):
+    """The command's own output (stdout) could not be written: a full device, a closed pipe.
+    Not the disk being measured, so not its hints: one line on stderr, exit status 2."""
+
+    def __init__(self, exc: OSError) -> None:
+        what = os.strerror(exc.errno) if exc.errno else str(exc)
+        if exc.errno == errno.EPIPE:
+            what = "the reader closed the pipe before it was all written (broken pipe)"
+        super().__init__(what)
+
+
+def _emit(out: IO[str], text: str) -> None:
+    """Write ``text`` to the command's output and flush it, or raise :class:`OutputError`."""
+    try:
+        out.write(text)
+        out.flush()
+    except OSError as exc:
+        raise OutputError(exc) from exc
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's flush at exit does not fail again
+    on what is still buffered for the output that failed."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors: ``aioswap bench: error: ... (see aioswap bench -h)``."""
 
     def error(self, message: str) -> NoReturn:
+        # "argument --size: --size must be positive": a message that names its flag itself
+        # stands alone
+        m = re.fullmatch(r"argument (\S+): (\1 .*)", message, re.DOTALL)
+        if m is not None:
+            message = m.group(2)
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
-def _size_type(minimum: int = 1) -> Callable[[str], int]:
+#: The options that take a size; ``--size -5M`` is joined to ``--size=-5M`` before parsing
+#: (argparse takes "-5M" for an option and says "expected one argument").
+_SIZE_OPTIONS = ("--size", "--io-size", "--block-size")
+
+
+def _join_negative_sizes(argv: Sequence[str]) -> list[str]:
+    """``--size -5M`` as ``--size=-5M``, so that the size's own check answers it."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return out + list(argv[i:])
+        if (arg in _SIZE_OPTIONS and i + 1 < len(argv)
+                and re.match(r"-[\d.]", argv[i + 1]) is not None):
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+def _size_type(minimum: int = 1, flag: str = "size") -> Callable[[str], int]:
     def size(text: str) -> int:
+        if text.strip().startswith("-"):
+            try:
+                parse_size(text.strip()[1:], minimum=0)
+            except ValueError:
+                pass            # not a size at all: parse_size below says so
+            else:
+                raise argparse.ArgumentTypeError(f"{flag} must be positive, got {text.strip()}")
         if text.strip()[-2:].upper() in ("KB", "MB", "GB", "TB"):
             # the tables' GB is 10^9 while sizes count in 1024s: refuse the ambiguous spelling
             unit = text.strip()[-2].upper()
@@ -139,13 +205,27 @@ def _check_dir(path: str, flag: str = "--dir") -> str:
     return os.path.abspath(path)
 
 
+#: What the tools name their scratch files: ``.aioswap-<stem>-<pid>-<random>.bin``.
+_STEMS = ("bench", "stripe", "probe", "tune")
+
+
+def _remove_stale(directory: str, name: str, err: IO[str]) -> None:
+    """Remove the scratch files a killed run (its process is gone) left in ``directory``, and
+    say so: a SIGKILLed bench leaves its whole --size behind."""
+    from aioswap.stripe import LAYOUT_SUFFIX
+    for stem in _STEMS:
+        for suffix in (".bin", ".bin" + LAYOUT_SUFFIX) if stem == "stripe" else (".bin",):
+            for stale in _tmpfiles.remove_stale(directory, f".aioswap-{stem}-", suffix):
+                err.write(f"{name}: removed a stale scratch file {stale.path} left by an "
+                          f"interrupted run (pid {stale.pid})\n")
+
+
 @contextlib.contextmanager
 def _scratch(directory: str, stem: str) -> Iterator[str]:
     """A fresh file in ``directory``: unique name with our pid, O_EXCL (never a planted file or
-    symlink), mode 0600, removed afterwards (SIGTERM/SIGHUP included, see main; files of this
-    naming whose process is gone are removed first)."""
+    symlink), mode 0600, removed afterwards (SIGTERM/SIGHUP included, see main, which names
+    one that could not be removed; :func:`_remove_stale` removes those a killed run left)."""
     try:
-        _tmpfiles.remove_stale(directory, f".aioswap-{stem}-", ".bin")   # left by a killed run
         fd, path = _tmpfiles.create(directory, f".aioswap-{stem}-", ".bin")
     except OSError as e:
         raise UsageError(f"cannot create a file in {directory} "
@@ -156,8 +236,7 @@ def _scratch(directory: str, stem: str) -> Iterator[str]:
     try:
         yield path
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        _tmpfiles.remove(path)
 
 
 def _probe_direct(directory: str) -> dict[str, Any]:
@@ -386,12 +465,13 @@ def cmd_info(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
                          f"{args.dir[0]!r}); give them all with --dir")
     dirs = list(dict.fromkeys(args.dir or [args.dir_pos or "."]))
     dirs = [_check_dir(d) for d in dirs]
+    for d in dirs:
+        _remove_stale(d, "aioswap info", err)
     info = gather_info(dirs[0])
     if len(dirs) > 1:
         info["roots"] = [_root_info(d) for d in dirs]
         info["roots_sharing_a_device"] = _shared_devices(info["roots"])
-    out.write((json.dumps(info, indent=2) if args.json else _format_info(info)) + "\n")
-    out.flush()
+    _emit(out, (json.dumps(info, indent=2) if args.json else _format_info(info)) + "\n")
     return 0
 
 
@@ -552,11 +632,8 @@ def run_bench(directory: str, size: int, *, config: AioConfig, repeat: int, warm
         if issubclass(w.category, AioswapWarning):
             first = str(w.message).split(". ")[0].rstrip(".")
             if issubclass(w.category, PinnedMemoryWarning):
-                soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-                lim = "unlimited" if soft == resource.RLIM_INFINITY else format_size(soft)
-                first = (f"the handle's bounce buffers are not page-locked ({first}, beyond "
-                         f"RLIMIT_MEMLOCK {lim}): the bounce row staged through unlocked "
-                         f"memory instead, which is slower; ulimit -l unlimited lifts it")
+                # one line already ("aioswap: 64 MiB not page-locked (...); I/O works, ...")
+                first = f"the handle's bounce buffers: {str(w.message).removeprefix('aioswap: ')}"
             if first not in notes:
                 notes.append(first)
     aligned = size - size % probe["dio_offset_align"]
@@ -825,6 +902,8 @@ def cmd_bench(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
     dirs = [_check_dir(d) for d in (args.dir or ["."])]
     if len({os.path.realpath(d) for d in dirs}) != len(dirs):
         raise UsageError(f"--dir names a directory twice: {', '.join(dirs)}")
+    for d in dirs:
+        _remove_stale(d, "aioswap bench", err)
     config = _config_from_args(args)
     ops = ["write", "read"]
     if args.read_only:
@@ -835,19 +914,17 @@ def cmd_bench(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
                          ops=ops, gds=args.gds, progress=not args.no_progress, err=err,
                          backends=_backends_from_args(args, True)) for d in dirs]
     if len(dirs) == 1:
-        out.write((json.dumps(results[0], indent=2) if args.json
-                   else _format_bench(results[0])) + "\n")
-        out.flush()
+        _emit(out, (json.dumps(results[0], indent=2) if args.json
+                    else _format_bench(results[0])) + "\n")
         return 0
     together = run_bench_drives(dirs, args.size, config=config, repeat=args.repeat,
                                 warmup=args.warmup, ops=ops, progress=not args.no_progress,
                                 err=err)
     if args.json:
-        out.write(json.dumps({"drives": results, "together": together}, indent=2) + "\n")
+        _emit(out, json.dumps({"drives": results, "together": together}, indent=2) + "\n")
     else:
         blocks = [_format_bench(r) for r in results] + [_format_drives(together)]
-        out.write("\n\n".join(blocks) + "\n")
-    out.flush()
+        _emit(out, "\n\n".join(blocks) + "\n")
     return 0
 
 
@@ -889,8 +966,9 @@ def run_tune(*, dirs: Sequence[str], io_size: int, direction: tune_mod.Direction
     """Run ``aioswap tune`` and write what the command shows; return its exit status.
 
     The results table then the best ``{"aio": {...}}`` section on ``stdout`` (or one JSON
-    document with ``as_json``), notes on ``stderr``. Without ``log_dir`` the logs go to a
-    fresh temporary directory, whose path is shown. Returns 0, or 1 when no point succeeded.
+    document with ``as_json``), notes on ``stderr``. With ``log_dir``, one JSON log per point
+    and direction is kept there (and its path shown); without it none is written (the results
+    are all in the output). Returns 0, or 1 when no point succeeded.
 
     Raises
     ------
@@ -901,8 +979,6 @@ def run_tune(*, dirs: Sequence[str], io_size: int, direction: tune_mod.Direction
     out = sys.stdout if stdout is None else stdout
     err = sys.stderr if stderr is None else stderr
     grid = grid or t.default_grid(quick=quick)
-    if log_dir is None:
-        log_dir = tempfile.mkdtemp(prefix="aioswap-tune-")
     bar: Any = None
     if progress and err.isatty():
         from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
@@ -928,30 +1004,31 @@ def run_tune(*, dirs: Sequence[str], io_size: int, direction: tune_mod.Direction
     full = _DISK_FULL.search(report.error or "") if best_json is None else None
     if full is not None:
         code = int(full.group(1))
+        logs = "" if report.log_dir is None else f"; logs in {report.log_dir}"
         raise UsageError(f"{', '.join(str(d) for d in dirs)}: {os.strerror(code)} (the disk, a "
-                         f"quota or ulimit -f ran out: free space or use a smaller --io-size); "
-                         f"logs in {report.log_dir}")
+                         f"quota or ulimit -f ran out: free space or use a smaller --io-size)"
+                         f"{logs}")
     drives = (_per_drive(report, dirs, io_size, direction, use_gds, repeat)
               if measure is None and len(dirs) > 1 and report.best is not None else None)
     if as_json:
         doc = report.to_json_dict()
         if drives is not None:
             doc["drives"] = drives
-        out.write(json.dumps(doc, indent=2) + "\n")
+        _emit(out, json.dumps(doc, indent=2) + "\n")
     else:
         where = ", ".join(str(d) for d in dirs)
-        out.write(f"aioswap tune: {format_size(io_size)} per point and direction in {where}, "
-                  f"{repeat} round(s) per point (fsync'd writes, page cache dropped before "
-                  f"reads)\n")
-        out.write(t.format_table(report.results, direction=direction) + "\n")
+        text = [f"aioswap tune: {format_size(io_size)} per point and direction in {where}, "
+                f"{repeat} round(s) per point (fsync'd writes, page cache dropped before "
+                f"reads)", t.format_table(report.results, direction=direction)]
         if best_json is not None:
-            out.write(f"\nbest \"aio\" section ({report.evaluations} of {report.grid_size} "
-                      f"grid points measured, picked by {t.report.picked_by(direction)}):\n")
-            out.write(best_json + "\n")
+            text += [f"\nbest \"aio\" section ({report.evaluations} of {report.grid_size} "
+                     f"grid points measured, picked by {t.report.picked_by(direction)}):",
+                     best_json]
         if drives is not None:
-            out.write("\n" + _format_per_drive(drives) + "\n")
-    out.flush()
-    err.write(f"aioswap tune: logs in {report.log_dir}\n")
+            text.append("\n" + _format_per_drive(drives))
+        _emit(out, "\n".join(text) + "\n")
+    if report.log_dir is not None:
+        err.write(f"aioswap tune: logs in {report.log_dir}\n")
     if best_json is None:
         err.write(f"aioswap tune: error: {report.error}\n")
         return 1
@@ -1057,6 +1134,7 @@ def _check_output(flag: str, target: str, *, directory: bool = False) -> None:
 def cmd_tune(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
     dirs = [_check_dir(d) for d in args.dir]
     for d in dirs:
+        _remove_stale(d, "aioswap tune", err)
         probe = _probe_direct(d)
         if not probe["o_direct"]:
             raise UsageError(f"{probe['reason']} in {d}")
@@ -1097,7 +1175,8 @@ def cmd_tune(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
 def _add_knobs(p: argparse.ArgumentParser) -> None:
     d = DEFAULT_CONFIG
     env = " or AIOSWAP_{}"
-    p.add_argument("--block-size", type=_size_type(), default=None, metavar="SIZE",
+    p.add_argument("--block-size", type=_size_type(flag="--block-size"), default=None,
+                   metavar="SIZE",
                    help=f"bytes per kernel request, any positive size (default "
                         f"{short_size(d.block_size)}{env.format('BLOCK_SIZE')})")
     p.add_argument("--queue-depth", type=_int_type(1), default=None, metavar="N",
@@ -1167,7 +1246,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="directory for the scratch file (default: .); repeat it for several "
                          "drives: each is measured alone, then all together (one file per "
                          "drive at once, and one file striped over them)")
-    pb.add_argument("--size", type=_size_type(MIN_BENCH_SIZE), default=1 << 30,
+    pb.add_argument("--size", type=_size_type(MIN_BENCH_SIZE, "--size"), default=1 << 30,
                     help="bytes per transfer, K/M/G are powers of 1024, at least 1M "
                          "(default: 1G)")
     _add_knobs(pb)
@@ -1194,7 +1273,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "GB/s = 10^9 bytes/s.")
     pt.add_argument("--dir", action="append", required=True,
                     help="directory to measure in (repeat for several drives)")
-    pt.add_argument("--io-size", type=_size_type(), default=400 << 20, metavar="SIZE",
+    pt.add_argument("--io-size", type=_size_type(flag="--io-size"), default=400 << 20,
+                    metavar="SIZE",
                     help="bytes per point and direction, at least the largest block size "
                          "swept (default: 400M)")
     pt.add_argument("--repeat", type=_int_type(1), default=3, metavar="N",
@@ -1239,7 +1319,7 @@ def _os_error_line(exc: OSError, command: str = "bench") -> str:
     if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
         flag = _SIZE_FLAG.get(command)
         hint = (f" (the disk, a quota or ulimit -f ran out: free space or use a smaller {flag})"
-                if flag else " (the disk or the device the output goes to is full)")
+                if flag else " (the disk or a quota ran out)")
     elif exc.errno == errno.EIO:
         hint = " (the drive reported an I/O error)"
     return f"{where}{what}{hint}"
@@ -1248,55 +1328,59 @@ def _os_error_line(exc: OSError, command: str = "bench") -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; return its exit status (see the module docstring)."""
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(
+        _join_negative_sizes(sys.argv[1:] if argv is None else argv))
     if extra:       # named by the subcommand's parser, so the hint points to its --help
         args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    out, err = sys.stdout, sys.stderr
-    name = f"aioswap {args.command}"
+    try:
+        return _run(args, f"aioswap {args.command}", sys.stdout, sys.stderr)
+    except BrokenPipeError:
+        # stderr itself is gone (aioswap bench 2>&1 | head -c1): nowhere to say it; no
+        # traceback, and no second failure while flushing stdout at exit
+        _quiet_stdout()
+        return 2
+
+
+def _run(args: argparse.Namespace, name: str, out: IO[str], err: IO[str]) -> int:
+    """The command, its exceptions as one line on stderr and an exit status, and what it
+    made and could not remove named."""
+    left: list[tuple[str, str]] = []
     try:
         try:
             runtime_settings()          # a bad AIOSWAP_* variable: one line, status 2
             with _tmpfiles.terminate_on_signals():   # kill/timeout/Slurm: clean up, then exit
                 return int(args.func(args, out, err))
-        except UsageError as exc:
-            err.write(f"{name}: error: {exc}\n")
-            return 2
-        except ConfigError as exc:
-            err.write(f"{name}: error: {exc}\n")
-            return 2
-        except MemoryError as exc:
-            flag = _SIZE_FLAG.get(args.command)
-            err.write(f"{name}: error: out of memory ({exc or 'allocation refused'})"
-                      + (f": use a smaller {flag}\n" if flag else "\n"))
-            return 2
-        except BrokenPipeError:
-            raise
-        except OSError as exc:
-            try:
-                out.flush()
-            except OSError:
-                # stdout itself failed (aioswap info > /dev/full): do not fail again at exit
-                with contextlib.suppress(OSError, ValueError):
-                    devnull = os.open(os.devnull, os.O_WRONLY)
-                    os.dup2(devnull, out.fileno())
-            err.write(f"{name}: error: {_os_error_line(exc, args.command)}\n")
-            return 2
-        except _tmpfiles.Terminated as exc:
-            err.write(f"{name}: terminated by {signal.Signals(exc.signum).name}; its files "
-                      f"were removed\n")
-            return 128 + exc.signum
-        except KeyboardInterrupt:
-            err.write(f"{name}: interrupted\n")
-            return 130
-    except BrokenPipeError:
-        # The reader went away (aioswap info | head -c1): say so once, exit without a traceback
-        # (and keep the interpreter from failing again while flushing stdout at exit).
-        with contextlib.suppress(OSError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-        with contextlib.suppress(OSError):
-            err.write(f"{name}: error: output closed before it was all written (broken pipe)\n")
+        finally:
+            # every exit but SIGKILL (which the next run's _remove_stale answers)
+            left = _tmpfiles.remove_leftovers()
+            for path, why in left:
+                err.write(f"{name}: could not remove its scratch file {path} ({why}); "
+                          f"remove it by hand\n")
+    except OutputError as exc:
+        _quiet_stdout()
+        err.write(f"{name}: error: cannot write the output: {exc}\n")
         return 2
+    except UsageError as exc:
+        err.write(f"{name}: error: {exc}\n")
+        return 2
+    except ConfigError as exc:
+        err.write(f"{name}: error: {exc}\n")
+        return 2
+    except MemoryError as exc:
+        flag = _SIZE_FLAG.get(args.command)
+        err.write(f"{name}: error: out of memory ({exc or 'allocation refused'})"
+                  + (f": use a smaller {flag}\n" if flag else "\n"))
+        return 2
+    except OSError as exc:
+        err.write(f"{name}: error: {_os_error_line(exc, args.command)}\n")
+        return 2
+    except _tmpfiles.Terminated as exc:
+        err.write(f"{name}: terminated by {signal.Signals(exc.signum).name}"
+                  + ("\n" if left else "; its files were removed\n"))
+        return 128 + exc.signum
+    except KeyboardInterrupt:
+        err.write(f"{name}: interrupted\n")
+        return 130
 
 
 if __name__ == "__main__":

@@ -301,6 +301,7 @@ def test_info_into_a_closed_pipe(disk: Path) -> None:
     proc.stderr.close()
     assert proc.wait(timeout=TIMEOUT) == 2
     assert "Traceback" not in err and "broken pipe" in err
+    assert err.startswith("aioswap info: error: cannot write the output: the reader closed")
     assert len(err.strip().splitlines()) == 1, err
 
 
@@ -810,7 +811,7 @@ def test_info_reports_no_o_direct(tmp_path: Path) -> None:
     (["bench", "--size", "0"], "argument --size: size must be at least 1 MiB"),
     (["bench", "--size", "1000"], "size must be at least 1 MiB"),   # 0.00 GB/s everywhere
     (["bench", "--size", "12X"], "invalid size '12X'"),
-    (["bench", "--size=-8M"], "invalid size"),
+    (["bench", "--size=-8M"], "--size must be positive, got -8M"),
     (["bench", "--block-size", "0"], "size must be positive"),
     (["bench", "--block-size", "4G"], "--block-size must be at most"),
     (["bench", "--queue-depth", "0"], "must be at least 1, got 0"),
@@ -913,15 +914,52 @@ def test_info_several_roots(disk: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_info_into_a_full_device(disk: Path) -> None:
+@pytest.mark.parametrize("command", ["info", "bench", "bench --json"])
+def test_output_into_a_full_device(disk: Path, command: str) -> None:
+    """``aioswap bench > /dev/full``: the output failed, not the disk measured; no hint about
+    --size, no traceback, no second error at exit, nothing left behind."""
+    args = command.split() + ["--dir", str(disk)]
+    if args[0] == "bench":
+        args += ["--size", "1M", "--repeat", "1", "--no-progress"]
     with open("/dev/full", "w") as full:
-        done = subprocess.run([sys.executable, "-m", "aioswap", "info", "--dir", str(disk)],
+        done = subprocess.run([sys.executable, "-m", "aioswap", *args],
                               stdout=full, stderr=subprocess.PIPE, text=True, timeout=TIMEOUT,
                               check=False)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
-        "aioswap info: error: No space left on device (the disk or the device the output goes "
-        "to is full)"], done.stderr
+        f"aioswap {args[0]}: error: cannot write the output: No space left on device"
+    ], done.stderr
+    assert listing(disk) == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "--size", "-5M"], "--size must be positive, got -5M"),
+    (["bench", "--size=-5M"], "--size must be positive, got -5M"),
+    (["bench", "--size", "-5"], "--size must be positive, got -5"),
+    (["bench", "--size", "-1.5G", "--repeat", "1"], "--size must be positive, got -1.5G"),
+    (["bench", "--block-size", "-4K"], "--block-size must be positive, got -4K"),
+    (["tune", "--io-size", "-5M"], "--io-size must be positive, got -5M"),
+    (["tune", "--io-size=-0"], "--io-size must be positive, got -0"),
+])
+def test_negative_sizes_are_named_as_such(disk: Path, capsys: pytest.CaptureFixture[str],
+                                          args: list[str], message: str) -> None:
+    """``--size -5M`` is a negative size, not a missing argument, in both spellings."""
+    with pytest.raises(SystemExit) as exc:
+        main([args[0], "--dir", str(disk), *args[1:]])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"aioswap {args[0]}: error: {message} (see 'aioswap "
+                                 f"{args[0]} --help')\n")
+    assert listing(disk) == []
+
+
+def test_only_size_values_are_joined() -> None:
+    from aioswap.cli import _join_negative_sizes
+    assert _join_negative_sizes(["bench", "--size", "-5M", "--repeat", "-3", "--size"]) == \
+        ["bench", "--size=-5M", "--repeat", "-3", "--size"]
+    assert _join_negative_sizes(["bench", "--size", "--json"]) == ["bench", "--size", "--json"]
+    assert _join_negative_sizes(["info", "--", "--size", "-5M"]) == \
+        ["info", "--", "--size", "-5M"]
 
 
 @pytest.mark.parametrize("var, value", [("AIOSWAP_LOG_LEVEL", "loud"),

@@ -86,7 +86,103 @@ def test_a_killed_bench_leaves_a_file_the_next_run_removes(tmp_dir: Path) -> Non
                            "1M", "--repeat", "1", "--no-progress"], capture_output=True,
                           text=True, timeout=300, cwd=ROOT, check=False)
     assert done.returncode == 0, done.stderr
+    assert (f"aioswap bench: removed a stale scratch file {left} left by an interrupted run "
+            f"(pid {p.pid})") in done.stderr.splitlines(), done.stderr
     assert sorted(os.listdir(d)) == []
+
+
+def _dead_pid() -> int:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    return dead.pid
+
+
+@pytest.mark.parametrize("command", ["bench", "tune", "info"])
+def test_a_stale_scratch_file_is_removed_and_named(tmp_dir: Path, command: str) -> None:
+    """What a SIGKILLed run left (its pid is gone) goes, with one line saying so; a running
+    process's file stays."""
+    d = tmp_dir / "drive"
+    d.mkdir()
+    dead, live = _dead_pid(), os.getpid()
+    stale = [d / f".aioswap-bench-{dead}-k1ll3d.bin", d / f".aioswap-tune-{dead}-k1ll3d.bin",
+             d / f".aioswap-stripe-{dead}-k1ll3d.bin",
+             d / f".aioswap-stripe-{dead}-k1ll3d.bin.stripe.json"]
+    kept = [d / f".aioswap-bench-{live}-running.bin", d / f"aioswap-bench-{dead}-notours.bin"]
+    for f in stale + kept:
+        f.write_bytes(b"x" * 4096)
+    args = {"bench": ["--size", "1M", "--repeat", "1", "--no-progress"],
+            "tune": ["--io-size", "4M", "--quick", "--no-write", "--repeat", "1",
+                     "--search", "fast", "--no-progress", "--json"],
+            "info": ["--json"]}[command]
+    done = subprocess.run([sys.executable, "-m", "aioswap", command, "--dir", str(d), *args],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    said = [x for x in done.stderr.splitlines() if "stale" in x]
+    assert sorted(said) == sorted(
+        f"aioswap {command}: removed a stale scratch file {f} left by an interrupted run "
+        f"(pid {dead})" for f in stale), done.stderr
+    assert sorted(os.listdir(d)) == sorted(f.name for f in kept)
+
+
+@pytest.mark.parametrize("end", ["finished", "SIGINT", "SIGTERM"])
+def test_tune_leaves_nothing_in_tmpdir(tmp_dir: Path, tmp_path: Path, end: str,
+                                       memlock_room: int | None) -> None:
+    """Without --log-dir, tune keeps no logs: no /tmp/aioswap-tune-* after it finished or was
+    interrupted, and its scratch files are gone from the drive."""
+    d, tmp = tmp_dir / "drive", tmp_path / "tmp"
+    d.mkdir()
+    tmp.mkdir()
+    io = ["4M", "--quick"] if end == "finished" or memlock_room is not None else \
+        ["16M", "--search", "grid"]
+    p = subprocess.Popen([sys.executable, "-m", "aioswap", "tune", "--dir", str(d),
+                          "--io-size", *io, "--repeat", "1" if end == "finished" else "50",
+                          "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)})
+    try:
+        if end != "finished":
+            _wait_for(d, ".aioswap-tune-*.bin", p)
+            time.sleep(0.2)
+            p.send_signal(getattr(signal, end))
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    want = {"finished": 0, "SIGINT": 130, "SIGTERM": 128 + signal.SIGTERM}[end]
+    assert p.returncode == want, (p.returncode, err)
+    assert "Traceback" not in err and "logs in" not in err
+    assert [n for n in os.listdir(tmp) if "aioswap" in n] == []
+    assert os.listdir(d) == []
+
+
+def test_a_scratch_file_that_cannot_be_removed_is_named(tmp_dir: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    from aioswap.cli import main
+    d = tmp_dir / "drive"
+    d.mkdir()
+    unlink = os.unlink
+    refused: list[str] = []
+
+    def stuck(path: str | os.PathLike[str], *args: object, **kw: object) -> None:
+        if os.path.basename(path).startswith(".aioswap-probe-"):
+            refused.append(os.fspath(path))
+            raise PermissionError(1, "Operation not permitted", os.fspath(path))
+        unlink(path)
+    monkeypatch.setattr(os, "unlink", stuck)
+    try:
+        assert main(["info", "--dir", str(d), "--json"]) == 0
+    finally:
+        monkeypatch.undo()
+        left = sorted(d.iterdir())
+        for f in left:
+            f.unlink()
+    out, err = capsys.readouterr()
+    assert refused and [str(f) for f in left] == sorted(set(refused))
+    assert err.splitlines() == [
+        f"aioswap info: could not remove its scratch file {left[0]} (Operation not "
+        f"permitted); remove it by hand"], err
+    assert _scratch.remove_leftovers() == []        # the record forgets it once it is gone
 
 
 _SAVE_CHILD = """
@@ -138,7 +234,8 @@ def test_stale_means_our_naming_and_a_dead_process(tmp_path: Path) -> None:
         os.mkdir(tmp_path / f".a.{dead.pid}-dir.tmp")
         os.symlink("/etc/passwd", tmp_path / f".a.{dead.pid}-link.tmp")
         removed = _scratch.remove_stale(str(tmp_path), ".a.", ".tmp")
-        assert removed == [str(tmp_path / f".a.{dead.pid}-abc123.tmp")]
+        assert removed == [_scratch.Stale(str(tmp_path / f".a.{dead.pid}-abc123.tmp"),
+                                          dead.pid)]
         assert sorted(os.listdir(tmp_path)) == sorted(
             set(names) - {f".a.{dead.pid}-abc123.tmp"}
             | {f".a.{dead.pid}-dir.tmp", f".a.{dead.pid}-link.tmp"})

@@ -488,6 +488,29 @@ def test_on_point_reports_progress() -> None:
     assert all(b is not None for b in bests) and bests == sorted(bests)  # type: ignore
 
 
+@pytest.mark.parametrize("as_json", [False, True])
+def test_run_tune_without_a_log_dir_leaves_no_temporary_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, as_json: bool) -> None:
+    """No --log-dir: no logs are written, so no /tmp/aioswap-tune-* is left behind, and no
+    "logs in" names a directory that is not kept."""
+    import tempfile
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    grid = Grid(block_sizes=(MiB,), queue_depths=(8, 32), intra_op_parallelism=(1,))
+    out, err = io.StringIO(), io.StringIO()
+    assert run_tune(dirs=[str(tmp_path)], io_size=MiB, direction="both", grid=grid,
+                    progress=False, as_json=as_json, measure=fake_measure(synthetic_drive()),
+                    stdout=out, stderr=err) == 0
+    assert list(scratch.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"]
+    assert "logs in" not in err.getvalue()
+    if as_json:
+        assert json.loads(out.getvalue())["log_dir"] is None
+    else:
+        assert 'best "aio" section' in out.getvalue()
+
+
 def test_run_tune_draws_no_bar_off_a_terminal(tmp_path: Path) -> None:
     grid = Grid(block_sizes=(MiB,), queue_depths=(8, 32), intra_op_parallelism=(1,))
     out, err = io.StringIO(), io.StringIO()

@@ -119,7 +119,8 @@ def memory_available() -> tuple[int | None, str]:
 @contextlib.contextmanager
 def scratch_files(dirs: Sequence[str], stem: str) -> Iterator[list[str]]:
     """One fresh file per directory (unique name with our pid, ``O_EXCL``, 0600), removed
-    afterwards; files of this naming whose process is gone are removed first."""
+    afterwards (one that cannot be stays on :mod:`aioswap._scratch`'s record, for the tool to
+    name); files of this naming whose process is gone are removed first."""
     paths: list[str] = []
     try:
         for d in dirs:
@@ -130,8 +131,7 @@ def scratch_files(dirs: Sequence[str], stem: str) -> Iterator[list[str]]:
         yield paths
     finally:
         for p in paths:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
+            _scratch.remove(p)
 
 
 def split(io_size: int, n: int) -> list[int]:
