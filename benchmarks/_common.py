@@ -33,6 +33,7 @@ from aioswap.tune import drop_cache as _drop_cache
 
 __all__ = [
     "CACHE_NOTE", "GB", "UNITS_NOTE", "Summary", "add_common_args", "check_common_args",
+    "dir_arg",
     "drop_cache", "fio_path", "format_size", "freed",
     "orders", "print_table", "ratio", "resident_fraction", "run_fio", "scratch_file",
     "short_size", "size_arg", "summarize", "timed",
@@ -51,9 +52,25 @@ def size_arg(minimum: int = 1) -> Callable[[str], int]:
     return parse
 
 
+def dir_arg(text: str) -> str:
+    """An argparse ``type=`` for ``--dir``: an existing, writable directory, made absolute.
+
+    Anything else is a one-line usage error (exit status 2) before any work, where the
+    scripts used to fail with a traceback at their first file.
+    """
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"directory {text!r} does not exist")
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"directory {text!r} is not writable")
+    return os.path.abspath(text)
+
+
 def add_common_args(p: argparse.ArgumentParser, *, size: str = "1G", repeat: int = 3) -> None:
     """``--dir``, ``--size``, ``--repeat`` and ``--json``, the same in every script."""
-    p.add_argument("--dir", default=".", help="directory for the scratch files (default: .)")
+    p.add_argument("--dir", type=dir_arg, default=".",
+                   help="directory for the scratch files (default: .)")
     p.add_argument("--size", type=size_arg(), default=parse_size(size),
                    help=f"bytes per transfer, K/M/G are powers of 1024 (default: {size})")
     p.add_argument("--repeat", type=int, default=repeat,
@@ -62,12 +79,11 @@ def add_common_args(p: argparse.ArgumentParser, *, size: str = "1G", repeat: int
 
 
 def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
-    """Refuse a bad ``--repeat``/``--dir`` with a one-line usage error; return the directory."""
+    """Refuse a bad ``--repeat`` with a one-line usage error (``--dir`` was checked by
+    :func:`dir_arg`); return the directory."""
     if args.repeat < 1:
         p.error(f"--repeat must be at least 1, got {args.repeat}")
-    if not os.path.isdir(args.dir):
-        p.error(f"--dir {args.dir!r} is not a directory")
-    return os.path.abspath(args.dir)
+    return str(args.dir)
 
 
 # -- scratch files and the page cache ------------------------------------------------------------

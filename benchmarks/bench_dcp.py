@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from _common import drop_cache as _drop_cache
-from _common import format_size, gpt_shapes, gpt_state_dict
+from _common import dir_arg, format_size, gpt_shapes, gpt_state_dict
 
 METHODS = ("aioswap", "stock", "stock, N threads")
 
@@ -147,7 +147,7 @@ def run_ranks(a: argparse.Namespace, world: int, work: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dir", default=".", help="directory on the disk to measure")
+    p.add_argument("--dir", type=dir_arg, default=".", help="directory on the disk to measure")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     p.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
     p.add_argument("--ranks", default="1,2", help="rank counts to run (default 1,2)")
@@ -173,7 +173,6 @@ def main(argv: list[str] | None = None) -> int:
 
     total = sum(torch.Size(s).numel() * 4 for s in shapes_of(a.layers, a.hidden).values())
     count = len(shapes_of(a.layers, a.hidden))
-    os.makedirs(a.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="aioswap-bench-dcp-", dir=a.dir)
     results = []
     try:

@@ -27,7 +27,8 @@ import time
 
 import torch
 
-from _common import UNITS_NOTE, drop_cache, format_size, fio_path, run_fio, scratch_file, size_arg
+from _common import (UNITS_NOTE, dir_arg, drop_cache, format_size, fio_path, run_fio,
+                     scratch_file, size_arg)
 from aioswap import AioHandle, dio_alignment, pinned
 
 GB = 1e9
@@ -37,7 +38,8 @@ _MAX_BUFFER = 1 << 30     # larger files cycle through a buffer of this size
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", default=".", help="directory for the test file (default: .)")
+    p.add_argument("--dir", type=dir_arg, default=".",
+                   help="directory for the test file (default: .)")
     p.add_argument("--size", type=size_arg(), default=1 << 30,
                    help="file size, K/M/G suffixes are powers of 1024 (default: 1G)")
     p.add_argument("--block-size", type=size_arg(), default=1 << 20,
@@ -55,8 +57,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.size % args.block_size:
         p.error(f"--size {args.size} is not a multiple of --block-size {args.block_size} "
                 "(fio would round it down)")
-    if not os.path.isdir(args.dir):
-        p.error(f"--dir {args.dir!r} is not a directory")
     _, off_align = dio_alignment(args.dir)
     if args.block_size % off_align:
         p.error(f"--block-size {args.block_size} is not a multiple of the O_DIRECT alignment "

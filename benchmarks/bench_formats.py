@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 import aioswap
-from _common import (GB, UNITS_NOTE, drop_cache, fio_path, format_size, orders, scratch_file,
-                     size_arg, summarize, timed)
+from _common import (GB, UNITS_NOTE, dir_arg, drop_cache, fio_path, format_size, orders,
+                     scratch_file, size_arg, summarize, timed)
 from aioswap import pinned
 
 FIO_BS, FIO_QD = 1 << 20, 32
@@ -151,7 +151,8 @@ class Bench:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dir", default=".", help="directory for the scratch file (default .)")
+    p.add_argument("--dir", type=dir_arg, default=".",
+                   help="directory for the scratch file (default .)")
     p.add_argument("--size", type=size_arg(), default=1 << 30,
                    help="tensor size, K/M/G suffixes are powers of 1024 (default 1G)")
     p.add_argument("--repeat", type=int, default=3, help="rounds (default 3)")
@@ -160,8 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.repeat < 1:
         p.error("--repeat must be at least 1")
-    if not os.path.isdir(a.dir):
-        p.error(f"directory {a.dir!r} does not exist")
     size, directory = a.size, os.path.abspath(a.dir)
 
     notes: list[str] = []

@@ -23,7 +23,7 @@ import torch
 
 import aioswap
 from aioswap import pinned
-from _common import drop_cache, format_size, parse_size
+from _common import dir_arg, drop_cache, format_size, parse_size
 
 
 def timed(fn) -> float:
@@ -88,7 +88,8 @@ def run_deepspeed(ops, src, dst, path, bs, qd) -> tuple[float, float]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dir", default=".")
+    p.add_argument("--dir", type=dir_arg, default=".",
+                   help="directory for the scratch file (default .)")
     p.add_argument("--size", type=parse_size, default=parse_size("1G"))
     p.add_argument("--block-size", type=parse_size, default=parse_size("1M"))
     p.add_argument("--queue-depth", type=int, default=32)

@@ -53,7 +53,7 @@ import time
 from typing import Any
 
 import torch
-from _common import orders, print_table, ratio, scratch_file, size_arg, summarize
+from _common import dir_arg, orders, print_table, ratio, scratch_file, size_arg, summarize
 from _common import drop_cache as drop_file_cache
 
 import aioswap
@@ -344,7 +344,8 @@ def construction(keys: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dir", default=".", help="directory for the model (default: .)")
+    p.add_argument("--dir", type=dir_arg, default=".",
+                   help="directory for the model (default: .)")
     p.add_argument("--hidden", type=int, default=128, help="hidden size (default: 128)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default: 2)")
     p.add_argument("--vocab", type=int, default=1024, help="vocabulary (default: 1024)")
@@ -376,8 +377,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.limited_forwards < 1:
         p.error(f"--limited-forwards must be at least 1, got {args.limited_forwards}")
-    if not os.path.isdir(args.dir):
-        p.error(f"--dir {args.dir!r} is not a directory")
     # what libraries print to stdout (DeepSpeed's accelerator probe, which transformers
     # reaches where DeepSpeed is installed, logs there) goes to stderr; the figures to stdout
     with contextlib.redirect_stdout(sys.stderr):

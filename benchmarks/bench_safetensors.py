@@ -49,7 +49,7 @@ import aioswap
 import aioswap.safetensors as ast
 from aioswap import pinned
 from _common import drop_cache as _drop_cache
-from _common import format_size, freed, gpt_state_dict
+from _common import dir_arg, format_size, freed, gpt_state_dict
 
 try:
     import safetensors.torch as st
@@ -100,7 +100,7 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dir", default=".", help="directory on the disk to measure")
+    p.add_argument("--dir", type=dir_arg, default=".", help="directory on the disk to measure")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     p.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
     p.add_argument("--repeat", type=int, default=3, help="rounds (default 3); median shown")
@@ -123,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    os.makedirs(a.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="aioswap-bench-safetensors-", dir=a.dir)
     times: dict[str, dict[str, list[float]]] = {}
     try:

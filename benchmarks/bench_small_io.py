@@ -55,7 +55,7 @@ import time
 import torch
 
 import aioswap
-from _common import cpu_s
+from _common import cpu_s, dir_arg
 from aioswap import pinned
 from aioswap.tune import drop_cache   # fsync + POSIX_FADV_DONTNEED, as every bench
 
@@ -437,7 +437,8 @@ def run_large(h: aioswap.AioHandle, d: str, nbytes: int, rounds: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dir", default=".", help="directory on the drive to test (default .)")
+    ap.add_argument("--dir", type=dir_arg, default=".",
+                    help="directory on the drive to test (default .)")
     ap.add_argument("--file-size", type=size, default=size("16M"),
                     help="size of the test file (default 16M; real: 256M)")
     ap.add_argument("--sizes", default="4K,64K,256K", help="request sizes (default 4K,64K,256K)")
@@ -455,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--buffered", type=size, default=0,
                     help="also cold-cache buffered random reads on a file of this size "
                          "(real: 1G; default 0: skipped)")
-    ap.add_argument("--cpu-dir", default=None,
+    ap.add_argument("--cpu-dir", type=dir_arg, default=None,
                     help="also CPU per 4 KiB read on a RAM-backed file in this directory "
                          "(e.g. /dev/shm; it must take O_DIRECT)")
     ap.add_argument("--json", action="store_true",

@@ -49,7 +49,7 @@ import time
 from typing import Any, Callable
 
 import torch
-from _common import GB, UNITS_NOTE, format_size, print_table, ratio, size_arg
+from _common import GB, UNITS_NOTE, dir_arg, format_size, print_table, ratio, size_arg
 from _common import drop_cache as _drop_cache
 
 import aioswap
@@ -246,7 +246,8 @@ def make_state(numel: int, buckets: int) -> list[dict[str, torch.Tensor]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dir", default=".", help="directory on the disk to measure (default .)")
+    p.add_argument("--dir", type=dir_arg, default=".",
+                   help="directory on the disk to measure (default .)")
     p.add_argument("--numel", type=size_arg(1), default=1 << 20,
                    help="parameters, K/M/G = 2**10/20/30 (default 1M: 12 MiB of state; "
                         "128M: 1.5 GiB)")
@@ -264,8 +265,6 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("buckets", "prefetch", "steps", "repeat", "queue_depth"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
-    if not os.path.isdir(a.dir):
-        p.error(f"--dir {a.dir!r} is not a directory")
     if a.numel < a.buckets:
         p.error("--numel must be at least --buckets")
 

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 import aioswap
-from _common import GB, UNITS_NOTE, cpu_s, size_arg
+from _common import GB, UNITS_NOTE, cpu_s, dir_arg, size_arg
 from aioswap.stripe import read_layout
 from aioswap.swap import TensorSwapper
 
@@ -329,7 +329,8 @@ def swapper_run(h: aioswap.AioHandle, roots: Sequence[str],
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dir", default=None, help="where the drive images go (default: a new "
+    p.add_argument("--dir", type=dir_arg, default=None,
+                   help="where the drive images go (default: a new "
                    "directory under $TMPDIR)")
     p.add_argument("--drives", default="2,4", help="numbers of drives (default: 2,4)")
     p.add_argument("--size", type=size_arg(1 << 20), default="64M",

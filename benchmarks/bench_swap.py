@@ -65,7 +65,8 @@ import time
 from typing import Any, Callable
 
 import torch
-from _common import GB, UNITS_NOTE, device_reads, format_size, freed, orders, print_table
+from _common import (GB, UNITS_NOTE, device_reads, dir_arg, format_size, freed, orders,
+                     print_table)
 import _cold as cold
 from _common import drop_cache as _drop_cache
 
@@ -296,7 +297,7 @@ COLD = ("aioswap", "safetensors", "torch", "direct")
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dir", default=".", help="directory on the disk to measure")
+    p.add_argument("--dir", type=dir_arg, default=".", help="directory on the disk to measure")
     p.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
     p.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
     p.add_argument("--ffn", type=int, default=None, help="fc1/fc2 width (default 4 x hidden)")
@@ -333,7 +334,6 @@ def main(argv: list[str] | None = None) -> int:
     if st_torch is None and "safetensors" in names:
         names.remove("safetensors")
     ffn = a.ffn or 4 * a.hidden
-    os.makedirs(a.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="aioswap-bench-swap-", dir=a.dir)
 
     def log(msg: str) -> None:

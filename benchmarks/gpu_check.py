@@ -23,7 +23,7 @@ import torch
 
 import aioswap
 from aioswap import pinned
-from _common import drop_cache, format_size, parse_size
+from _common import dir_arg, drop_cache, format_size, parse_size
 
 
 def timed(fn) -> float:
@@ -48,7 +48,8 @@ def round_trip(name, h, src, dst, path, size, rows, failures, offset=0):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dir", default=".")
+    p.add_argument("--dir", type=dir_arg, default=".",
+                   help="directory for the scratch file (default .)")
     p.add_argument("--size", type=parse_size, default=parse_size("1G"))
     p.add_argument("--allow-no-cufile", action="store_true")
     a = p.parse_args(argv)

@@ -257,6 +257,46 @@ def test_common_table_states_its_units(common: object) -> None:
     assert lines[5] == "note: n"
 
 
+# the scripts that take --dir (add_common_args gives it to those that call it)
+DIR_SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py")
+                     if p.name != "_common.py"
+                     and re.search(r"add_argument\(\s*\"--dir\"|add_common_args\(p", p.read_text()))
+
+
+def test_the_dir_scripts_are_found() -> None:
+    assert {"bench_stripe.py", "bench_swap.py", "bench_engine.py", "gpu_check.py"} <= \
+        set(DIR_SCRIPTS)
+
+
+@pytest.mark.parametrize("script", DIR_SCRIPTS)
+def test_a_missing_dir_is_a_usage_error(script: str, tmp_path: Path) -> None:
+    """``--dir X`` where X does not exist: one error line and exit status 2, not a traceback
+    (bench_stripe.py failed so at its first drive image)."""
+    missing = tmp_path / "no" / "such"
+    done = run_script(script, "--dir", str(missing), cwd=tmp_path)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith(
+        f"error: argument --dir: directory {str(missing)!r} does not exist"), done.stderr
+    assert done.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+def test_common_dir_arg(common: object, tmp_path: Path) -> None:
+    import argparse
+    check = common.dir_arg  # type: ignore[attr-defined]
+    assert check(str(tmp_path)) == str(tmp_path)
+    with pytest.raises(argparse.ArgumentTypeError, match="does not exist"):
+        check(str(tmp_path / "missing"))
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a directory"):
+        check(str(tmp_path / "f"))
+    if os.geteuid() != 0:           # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(argparse.ArgumentTypeError, match="is not writable"):
+            check(str(ro))
+
+
 def test_common_size_arg(common: object) -> None:
     import argparse
     parse = common.size_arg(4096)  # type: ignore[attr-defined]
