@@ -98,8 +98,8 @@ def _constant_doc(app, what, name, obj, options, lines):  # type: ignore[no-unty
     import importlib
     import inspect
 
-    own = inspect.getdoc(type(obj)) or ""
-    if lines and [ln for ln in lines if ln.strip()] != [ln for ln in own.splitlines() if ln.strip()]:
+    own = [ln for ln in (inspect.getdoc(type(obj)) or "").splitlines() if ln.strip()]
+    if lines and [ln for ln in lines if ln.strip()] != own:
         return                      # a doc comment of its own
     lines.clear()
     if _COMMENTS is None:
