@@ -666,6 +666,7 @@ def test_duplicate_name_needs_overwrite(swapper: TensorSwapper) -> None:
     assert torch.equal(swapper.swap_in("a"), torch.ones(4))
     swapper.swap_out("a", torch.zeros(7, dtype=torch.int8), overwrite=True)
     assert torch.equal(swapper.swap_in("a"), torch.zeros(7, dtype=torch.int8))
+    swapper.wait()          # the old file is unlinked on a background thread: done by wait()
     assert len(_data_files(d)) == 1 and _data_files(d) != before   # old file deleted
     assert [e["name"] for e in _manifest(d)["entries"]] == ["a"]
 
