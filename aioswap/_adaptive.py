@@ -1,0 +1,210 @@
+"""Reads that adapt to where the bytes are: copied from the page cache, or read from the drive.
+
+A range of a file that the page cache holds is copied faster by a few threads doing plain
+``pread`` (the kernel's copy, the GIL released) than it is read again from the drive with
+``O_DIRECT`` (which bypasses the cache, and for a host-cached virtual disk or a loaded model
+goes back to the device). A range that is not cached is read direct: one deep queue, no
+second copy, the page cache left alone. :func:`plan` decides per range, cheaply:
+``cachestat(2)`` (Linux 6.5, one system call, nothing read) where the kernel has it, else
+``mincore`` over a mapping that is never touched (``aioswap._aio.resident_prefix``).
+
+The choice can be forced: ``read="direct"`` or ``"buffered"`` on the loaders, or the
+``AIOSWAP_READ`` environment variable (``auto``, ``direct``, ``buffered``); the argument wins.
+A file system without ``O_DIRECT`` (tmpfs...) is always read buffered. Each loader logs what
+it did at DEBUG on the ``aioswap`` logger and counts it in :data:`stats`.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import errno
+import logging
+import os
+import platform
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from aioswap import _aio
+
+__all__ = ["MODES", "CopyPool", "cached_bytes", "choose", "copy_pool", "read_mode", "stats"]
+
+_log = logging.getLogger("aioswap")
+
+#: Values of ``read=`` and of ``AIOSWAP_READ``.
+MODES = ("auto", "direct", "buffered")
+ENV = "AIOSWAP_READ"
+#: A range at least this much in the page cache is copied from it (auto).
+CACHED_ENOUGH = 0.9
+_CHUNK = 8 << 20            # bytes one copy thread reads at a time
+_THREADS = 4                # copies in parallel (measured: 4 beat 2 even on 2 cores)
+
+# cachestat(2): the same number on every architecture that has it (Linux 6.5)
+_NR_CACHESTAT = 451 if platform.machine() in ("x86_64", "aarch64", "riscv64") else -1
+
+
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Stat(ctypes.Structure):
+    _fields_ = [("nr_cache", ctypes.c_uint64), ("nr_dirty", ctypes.c_uint64),
+                ("nr_writeback", ctypes.c_uint64), ("nr_evicted", ctypes.c_uint64),
+                ("nr_recently_evicted", ctypes.c_uint64)]
+
+
+_syscall: Any = None
+_have_cachestat = _NR_CACHESTAT > 0
+_page = os.sysconf("SC_PAGE_SIZE")
+
+
+def _cachestat(fd: int, offset: int, nbytes: int) -> int | None:
+    """Bytes of ``[offset, offset + nbytes)`` in the page cache by ``cachestat``, or None
+    where the kernel lacks it."""
+    global _syscall, _have_cachestat
+    if not _have_cachestat:
+        return None
+    if _syscall is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        _syscall = libc.syscall
+        _syscall.restype = ctypes.c_long
+    rng, st = _Range(offset, nbytes), _Stat()
+    if _syscall(ctypes.c_long(_NR_CACHESTAT), ctypes.c_uint(fd), ctypes.byref(rng),
+                ctypes.byref(st), ctypes.c_uint(0)) != 0:
+        e = ctypes.get_errno()
+        if e in (errno.ENOSYS, errno.EPERM):        # no cachestat here (or seccomp)
+            _have_cachestat = False
+        return None
+    lo = offset // _page * _page
+    pages = -(-(offset + nbytes - lo) // _page)
+    return min(nbytes, int(st.nr_cache * nbytes // max(pages, 1)))
+
+
+def cached_bytes(fd: int, offset: int, nbytes: int) -> int:
+    """About how many bytes of ``fd``'s range ``[offset, offset + nbytes)`` the page cache
+    holds now, reading nothing and starting no read-ahead (``cachestat``; else ``mincore``,
+    which sees the cached prefix only)."""
+    if nbytes <= 0:
+        return 0
+    got = _cachestat(fd, offset, nbytes)
+    if got is not None:
+        return got
+    return int(_aio.resident_prefix(fd, offset, nbytes))
+
+
+def read_mode(read: str | None) -> str:
+    """The read mode in force: ``read`` when given, else ``AIOSWAP_READ``, else ``"auto"``;
+    a value not in :data:`MODES` raises ``ValueError`` naming where it came from."""
+    if read is None:
+        value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+        if value not in MODES:
+            raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}")
+        return value
+    if read not in MODES:
+        raise ValueError(f"read={read!r}: expected one of {', '.join(MODES)}")
+    return read
+
+
+def choose(mode: str, direct_ok: bool, fd: int, offset: int, nbytes: int) -> bool:
+    """Whether to copy ``[offset, offset + nbytes)`` from the page cache (True) or read it
+    direct (False), for ``mode`` from :func:`read_mode`; ``direct_ok``: the file takes
+    ``O_DIRECT``."""
+    if not direct_ok or mode == "buffered":
+        return True
+    if mode == "direct":
+        return False
+    return cached_bytes(fd, offset, nbytes) >= CACHED_ENOUGH * nbytes
+
+
+class _Stats:
+    """Bytes the loaders copied from the page cache and read direct, since the start."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.buffered_bytes = 0
+        self.direct_bytes = 0
+
+    def add(self, buffered: int, direct: int) -> None:
+        with self._lock:
+            self.buffered_bytes += buffered
+            self.direct_bytes += direct
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {"buffered_bytes": self.buffered_bytes, "direct_bytes": self.direct_bytes}
+
+
+#: What the loaders did, process-wide: ``stats.snapshot()``.
+stats = _Stats()
+
+
+class CopyPool:
+    """A few threads that copy ranges of files from the page cache with ``pread`` (started on
+    first use; the GIL is released during each copy)."""
+
+    def __init__(self, threads: int = _THREADS) -> None:
+        self._threads = threads
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        self._pool = None               # its threads stayed in the parent
+        self._lock = threading.Lock()
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = concurrent.futures.ThreadPoolExecutor(
+                        self._threads, thread_name_prefix="aioswap-copy")
+        return self._pool
+
+    def read(self, fd: int, mem: memoryview, offset: int, name: str,
+             done: Callable[[concurrent.futures.Future[int]], None] | None = None
+             ) -> concurrent.futures.Future[int]:
+        """Copy ``len(mem)`` bytes of ``fd`` at ``offset`` into ``mem`` in chunks on the pool;
+        a future of the bytes copied. ``fd`` stays the caller's and must stay open until the
+        future is done. A read that ends early raises ``EOFError`` naming ``name``."""
+        total = len(mem)
+        out: concurrent.futures.Future[int] = concurrent.futures.Future()
+        out.set_running_or_notify_cancel()
+        if done is not None:
+            out.add_done_callback(done)
+        if total == 0:
+            out.set_result(0)
+            return out
+        chunks = [(o, min(_CHUNK, total - o)) for o in range(0, total, _CHUNK)]
+        left = [len(chunks)]
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def one(o: int, n: int) -> None:
+            try:
+                got = 0
+                while got < n:
+                    k = os.preadv(fd, [mem[o + got:o + n]], offset + o + got)
+                    if k <= 0:
+                        raise EOFError(f"{name}: the file ends at byte {offset + o + got}, "
+                                       f"before the {total} bytes read at offset {offset}")
+                    got += k
+            except BaseException as exc:        # handed to the future
+                with lock:
+                    errors.append(exc)
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                if errors:
+                    out.set_exception(errors[0])
+                else:
+                    out.set_result(total)
+
+        ex = self._executor()
+        for o, n in chunks:
+            ex.submit(one, o, n)
+        return out
+
+
+#: The process's copy threads.
+copy_pool = CopyPool()

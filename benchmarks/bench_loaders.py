@@ -1,0 +1,365 @@
+#!/usr/bin/env python3
+"""Loading weights: aioswap against the loaders users pick instead, cold and warm, same run.
+
+One transformer-like state dict of ``--size`` bytes (``--layers`` blocks; per block q/k/v/o,
+two MLP matrices, biases and norms: bf16 weights, fp32 norms and biases, plus an fp32
+embedding) is written once in each loader's format. Then, per round and per loader, one load
+in a fresh process (``--worker``: imports off the clock; on it: making the loader, allocating
+the result, reading every byte, touching one byte of every page of the result):
+
+* **cold**: the files' pages dropped from the cache first (``posix_fadvise(DONTNEED)``, and
+  ``/proc/sys/vm/drop_caches`` as root);
+* **warm**: the file read once just before (it is in the page cache).
+
+Loaders (each only when installed; ``--loaders`` picks):
+
+==================  =================================================================
+aioswap             ``aioswap.safetensors.load_file`` (reads adapt to the page cache)
+aioswap-direct      the same with ``read="direct"`` (every byte from the drive)
+aioswap-buffered    the same with ``read="buffered"``
+aioswap-sharded     ``aioswap.safetensors.load_checkpoint`` of the same bytes in 4 shards
+aioswap-swap        ``TensorSwapper.swap_in_state_dict`` (aioswap's own layout)
+safetensors         ``safetensors.torch.load_file`` (a mapping: every page faulted in)
+torch               ``torch.load(weights_only=True)``
+tensorizer          ``TensorDeserializer(num_readers=8)`` on its own format
+fastsafetensors     ``fastsafe_open(nogds=True)``, its default (O_DIRECT) reads
+fastsafetensors-b   the same with ``FASTSAFETENSORS_ODIRECT=0`` (buffered reads)
+runai               ``SafetensorsStreamer`` (runai-model-streamer), tensors kept
+pread4              reference: 4 threads ``pread`` 8 MiB pieces into prefaulted memory
+fio                 reference, cold only: fio 8 MiB O_DIRECT reads, iodepth 64, one job
+==================  =================================================================
+
+Rounds interleave the loaders (the order rotated each round). Per loader: GB/s (10^9 B/s),
+median and range; CPU seconds per GB (user + system, every thread); peak RSS. Ratios of
+aioswap to the best peer that returns memory the caller owns (all but ``safetensors``, whose
+tensors map the file) and to fio (cold) or pread4 (warm) are the medians of the per-round
+ratios. ``--json`` prints one object.
+
+    python benchmarks/bench_loaders.py --dir /nvme --size 2G --repeat 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from _common import dir_arg, format_size, orders, print_table, run_fio, size_arg
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PEERS = ("tensorizer", "fastsafetensors", "fastsafetensors-b", "runai", "torch")
+ALL = ("aioswap", "aioswap-direct", "aioswap-buffered", "aioswap-sharded", "aioswap-swap",
+       "safetensors", *PEERS, "pread4", "fio")
+MAPPED = ("safetensors",)       # returns a mapping of the file, not memory the caller owns
+OURS = ("aioswap", "aioswap-direct", "aioswap-buffered", "aioswap-sharded", "aioswap-swap")
+REFERENCE = ("pread4", "fio")
+
+
+def shapes(size: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A transformer-like state dict of about ``size`` bytes: name -> (shape, dtype)."""
+    hidden = 1024
+    per_layer = 2 * (4 * hidden * hidden + 2 * 4 * hidden * hidden)     # bf16 matrices
+    layers = max(1, size // per_layer)
+    out: dict[str, tuple[tuple[int, ...], str]] = {
+        "embed.weight": ((4096, hidden), "float32")}
+    for i in range(layers):
+        p = f"layers.{i}."
+        for m in ("q", "k", "v", "o"):
+            out[p + f"attn.{m}.weight"] = ((hidden, hidden), "bfloat16")
+        out[p + "attn.o.bias"] = ((hidden,), "float32")
+        out[p + "mlp.up.weight"] = ((4 * hidden, hidden), "bfloat16")
+        out[p + "mlp.down.weight"] = ((hidden, 4 * hidden), "bfloat16")
+        out[p + "mlp.down.bias"] = ((hidden,), "float32")
+        for n in ("ln1", "ln2"):
+            out[p + f"{n}.weight"] = ((hidden,), "float32")
+            out[p + f"{n}.bias"] = ((hidden,), "float32")
+    return out
+
+
+def make_state(size: int) -> dict[str, Any]:
+    import torch
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for name, (shape, dt) in shapes(size).items():
+        sd[name] = torch.randn(shape, generator=g).to(getattr(torch, dt))
+    return sd
+
+
+def available(name: str) -> bool:
+    import importlib.util
+    mod = {"tensorizer": "tensorizer", "fastsafetensors": "fastsafetensors",
+           "fastsafetensors-b": "fastsafetensors", "runai": "runai_model_streamer",
+           "safetensors": "safetensors"}.get(name)
+    if name == "aioswap-sharded":
+        import aioswap.safetensors as ast
+        return hasattr(ast, "load_checkpoint")
+    if name == "fio":
+        return shutil.which("fio") is not None
+    return mod is None or importlib.util.find_spec(mod) is not None
+
+
+def prepare(d: str, size: int, names: list[str]) -> dict[str, str]:
+    """Write the state dict in every format needed; the paths by loader."""
+    import torch
+    from safetensors.torch import save_file
+    sd = make_state(size)
+    paths: dict[str, str] = {}
+    st = os.path.join(d, "model.safetensors")
+    save_file(sd, st)
+    for n in ("aioswap", "aioswap-direct", "aioswap-buffered", "safetensors",
+              "fastsafetensors", "fastsafetensors-b", "runai", "pread4", "fio"):
+        paths[n] = st
+    if "aioswap-sharded" in names:
+        import aioswap.safetensors as ast
+        shard_dir = os.path.join(d, "sharded")
+        total = sum(t.numel() * t.element_size() for t in sd.values())
+        ast.save_sharded(sd, shard_dir, max_shard_size=-(-total // 4) + (1 << 20))
+        paths["aioswap-sharded"] = shard_dir
+    if "aioswap-swap" in names:
+        from aioswap.swap import TensorSwapper
+        swap_dir = os.path.join(d, "swap")
+        with TensorSwapper(swap_dir, checksum=None) as sw:
+            sw.swap_out_state_dict("", sd)
+        paths["aioswap-swap"] = swap_dir
+    if "torch" in names:
+        p = os.path.join(d, "model.pt")
+        torch.save(sd, p)
+        paths["torch"] = p
+    if "tensorizer" in names:
+        from tensorizer import TensorSerializer
+        p = os.path.join(d, "model.tensors")
+        ser = TensorSerializer(p)
+        ser.write_state_dict(sd)
+        ser.close()
+        paths["tensorizer"] = p
+    os.sync()
+    return paths
+
+
+def files_of(path: str) -> list[str]:
+    if os.path.isdir(path):
+        return [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
+    return [path]
+
+
+def drop(path: str) -> None:
+    for f in files_of(path):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    if os.geteuid() == 0:
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+        except OSError:
+            pass
+
+
+def warm(path: str) -> None:
+    for f in files_of(path):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.read(16 << 20):
+                pass
+
+
+# -- one load, in a fresh process ----------------------------------------------------------
+def _touch(tensors: Any) -> int:
+    import torch
+    n = 0
+    for t in tensors:
+        if t.numel():
+            t.reshape(-1).view(torch.uint8)[::4096].sum()
+            n += t.numel() * t.element_size()
+    return n
+
+
+def _load(name: str, path: str) -> int:
+    """Load ``path`` with loader ``name`` and touch every page; bytes loaded."""
+    if name.startswith("aioswap") and name != "aioswap-swap":
+        import aioswap.safetensors as ast
+        if name == "aioswap-sharded":
+            return _touch(ast.load_checkpoint(path).values())
+        read = {"aioswap-direct": "direct", "aioswap-buffered": "buffered"}.get(name)
+        kw = {"read": read} if read else {}
+        return _touch(ast.load_file(path, **kw).values())
+    if name == "aioswap-swap":
+        from aioswap.swap import TensorSwapper
+        with TensorSwapper(path, checksum=None) as sw:
+            return _touch(sw.swap_in_state_dict("").values())
+    if name == "safetensors":
+        from safetensors.torch import load_file
+        return _touch(load_file(path).values())
+    if name == "torch":
+        import torch
+        return _touch(torch.load(path, weights_only=True).values())
+    if name == "tensorizer":
+        from tensorizer import TensorDeserializer
+        with TensorDeserializer(path, device="cpu", num_readers=8) as de:
+            return _touch(dict(de).values())
+    if name.startswith("fastsafetensors"):
+        from fastsafetensors import fastsafe_open
+        with fastsafe_open(path, nogds=True, device="cpu") as f:
+            return _touch([f.get_tensor(k) for k in f.keys()])
+    if name == "runai":
+        from runai_model_streamer import SafetensorsStreamer
+        kept = []
+        with SafetensorsStreamer() as s:
+            s.stream_file(path)
+            for _, t in s.get_tensors():
+                kept.append(t)
+        return _touch(kept)
+    if name == "pread4":
+        import concurrent.futures
+        import torch
+        size = os.path.getsize(path)
+        buf = torch.empty(size, dtype=torch.uint8)
+        buf[::4096] = 0                                 # prefaulted
+        mv = memoryview(buf.numpy())
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            def one(o: int) -> None:
+                os.preadv(fd, [mv[o:o + (8 << 20)]], o)
+            with concurrent.futures.ThreadPoolExecutor(4) as ex:
+                list(ex.map(one, range(0, size, 8 << 20)))
+        finally:
+            os.close(fd)
+        return _touch([buf])
+    raise ValueError(name)
+
+
+def worker(name: str, path: str) -> None:
+    if name == "fastsafetensors-b":
+        os.environ["FASTSAFETENSORS_ODIRECT"] = "0"
+    import torch  # noqa: F401  (imports off the clock)
+    import aioswap.safetensors  # noqa: F401
+    for mod in {"tensorizer": "tensorizer", "runai": "runai_model_streamer",
+                "safetensors": "safetensors.torch"}.items():
+        if name == mod[0]:
+            __import__(mod[1])
+    if name.startswith("fastsafetensors"):
+        import fastsafetensors  # noqa: F401
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    n = _load(name, path)
+    dt = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    print(json.dumps({"seconds": dt, "bytes": n, "cpu_s": cpu, "maxrss": r1.ru_maxrss * 1024}))
+
+
+def run_one(name: str, path: str, nbytes: int) -> dict[str, float]:
+    if name == "fio":
+        seconds = run_fio(path, "read", nbytes // (8 << 20) * (8 << 20), block_size=8 << 20,
+                          queue_depth=64, end_fsync=False)
+        return {"gbps": nbytes // (8 << 20) * (8 << 20) / seconds / 1e9, "cpu_s_per_gb": float("nan"), "rss": float("nan")}
+    r = subprocess.run([sys.executable, __file__, "--worker", name, path],
+                       capture_output=True, text=True, timeout=1800)
+    if r.returncode:
+        raise RuntimeError(f"{name}: {r.stderr.strip()[-2000:]}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return {"gbps": out["bytes"] / out["seconds"] / 1e9,
+            "cpu_s_per_gb": out["cpu_s"] / (out["bytes"] / 1e9), "rss": out["maxrss"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker", nargs=2, metavar=("LOADER", "PATH"), help=argparse.SUPPRESS)
+    p.add_argument("--dir", type=dir_arg, default=None, help="directory on the drive "
+                   "(default: a temporary one in the current directory)")
+    p.add_argument("--size", type=size_arg(1 << 20), default=256 << 20,
+                   help="bytes of the state dict (default 256M; the issue's is 2G)")
+    p.add_argument("--repeat", type=int, default=3, help="rounds (default 3)")
+    p.add_argument("--modes", default="cold,warm", help="cold, warm or both (default)")
+    p.add_argument("--loaders", default=",".join(ALL), help="comma-separated, of: "
+                   + ", ".join(ALL))
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(*args.worker)
+        return 0
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in ("cold", "warm") for m in modes):
+        p.error(f"--modes: expected cold and/or warm, got {args.modes!r}")
+    wanted = [n.strip() for n in args.loaders.split(",") if n.strip()]
+    bad = [n for n in wanted if n not in ALL]
+    if bad:
+        p.error(f"--loaders: unknown {bad[0]!r} (known: {', '.join(ALL)})")
+    names = [n for n in wanted if available(n)]
+    skipped = [n for n in wanted if n not in names]
+    work = tempfile.mkdtemp(prefix=".aioswap-bench-loaders-", dir=args.dir or ".")
+    progress = sys.stderr.isatty() and not args.json
+    try:
+        paths = prepare(work, args.size, names)
+        nbytes = os.path.getsize(paths["aioswap"]) if "aioswap" in paths else args.size
+        res: dict[str, dict[str, list[dict[str, float]]]] = {m: {} for m in modes}
+        for rnd, order in enumerate(orders(names, args.repeat)):
+            for mode in modes:
+                for n in order:
+                    if mode == "warm" and n == "fio":
+                        continue
+                    if progress:
+                        print(f"\rround {rnd + 1}/{args.repeat} {mode} {n:20s}", end="",
+                              file=sys.stderr, flush=True)
+                    (drop if mode == "cold" else warm)(paths[n])
+                    res[mode].setdefault(n, []).append(run_one(n, paths[n], nbytes))
+        if progress:
+            print(file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    doc: dict[str, Any] = {"size": nbytes, "repeat": args.repeat, "skipped": skipped,
+                           "modes": {}}
+    for mode in modes:
+        figs = res[mode]
+        table = {n: {"gbps": statistics.median(r["gbps"] for r in runs),
+                     "gbps_min": min(r["gbps"] for r in runs),
+                     "gbps_max": max(r["gbps"] for r in runs),
+                     "cpu_s_per_gb": statistics.median(r["cpu_s_per_gb"] for r in runs),
+                     "peak_rss": max(r["rss"] for r in runs),
+                     "rounds": [r["gbps"] for r in runs]} for n, runs in figs.items()}
+        peers = [n for n in figs if n not in OURS and n not in REFERENCE and n not in MAPPED]
+        ratios: dict[str, Any] = {}
+        for ours in [n for n in OURS if n in figs]:
+            per = {}
+            for ref in peers + [r for r in REFERENCE if r in figs] + (
+                    ["aioswap"] if ours != "aioswap" and "aioswap" in figs else []):
+                per[ref] = statistics.median(
+                    a["gbps"] / b["gbps"] for a, b in zip(figs[ours], figs[ref]))
+            if peers:
+                per["best_peer"] = statistics.median(
+                    figs[ours][i]["gbps"] / max(figs[q][i]["gbps"] for q in peers)
+                    for i in range(args.repeat))
+            ratios[ours] = per
+        doc["modes"][mode] = {"loaders": table, "ratios": ratios}
+    if args.json:
+        print(json.dumps(doc, indent=1, sort_keys=True))
+        return 0
+    print(f"state dict of {format_size(nbytes)}, {args.repeat} rounds, loaders interleaved; "
+          f"each load a fresh process, every page touched")
+    for mode in modes:
+        t = doc["modes"][mode]["loaders"]
+        rows = [[n, f"{v['gbps']:.2f} [{v['gbps_min']:.2f}-{v['gbps_max']:.2f}]",
+                 f"{v['cpu_s_per_gb']:.2f}", f"{v['peak_rss'] / 1e9:.2f}"]
+                for n, v in sorted(t.items(), key=lambda kv: -kv[1]["gbps"])]
+        print(f"\n{mode}:")
+        print_table(["loader", "GB/s", "CPU s/GB", "peak RSS GB"], rows)
+        for ours, per in doc["modes"][mode]["ratios"].items():
+            print(f"{ours}: " + ", ".join(f"{k} {v:.2f}x" for k, v in per.items()))
+    if skipped:
+        print(f"not installed, left out: {', '.join(skipped)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

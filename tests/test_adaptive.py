@@ -1,0 +1,82 @@
+"""Reads that adapt to the page cache (aioswap._adaptive): the residency probe, the mode in
+force, the copy threads."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from aioswap import _adaptive
+
+
+def _file(p: Path, n: int) -> bytes:
+    data = os.urandom(n)
+    p.write_bytes(data)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return data
+
+
+def test_cached_bytes_follows_the_page_cache(tmp_dir: Path) -> None:
+    p = tmp_dir / "f.bin"
+    _file(p, 8 << 20)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if _adaptive.cached_bytes(fd, 0, 8 << 20) > 1 << 20:
+            pytest.skip("this file system keeps the pages (tmpfs?)")
+        assert _adaptive.cached_bytes(fd, 0, 8 << 20) < 1 << 20
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)    # no read-ahead past it
+        os.pread(fd, 4 << 20, 0)                        # the first half now cached
+        got = _adaptive.cached_bytes(fd, 0, 4 << 20)
+        assert got >= (4 << 20) * 0.9
+        assert not _adaptive.choose("auto", True, fd, 4 << 20, 4 << 20)   # not cached: direct
+        assert _adaptive.choose("auto", True, fd, 0, 4 << 20)             # cached: copied
+        assert not _adaptive.choose("direct", True, fd, 0, 4 << 20)
+        assert _adaptive.choose("buffered", True, fd, 4 << 20, 4 << 20)
+        assert _adaptive.choose("direct", False, fd, 0, 4 << 20)           # no O_DIRECT
+        assert _adaptive.cached_bytes(fd, 0, 0) == 0
+    finally:
+        os.close(fd)
+
+
+def test_read_mode_argument_environment_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AIOSWAP_READ", raising=False)
+    assert _adaptive.read_mode(None) == "auto"
+    monkeypatch.setenv("AIOSWAP_READ", "Buffered")
+    assert _adaptive.read_mode(None) == "buffered"
+    assert _adaptive.read_mode("direct") == "direct"        # the argument wins
+    monkeypatch.setenv("AIOSWAP_READ", "fast")
+    with pytest.raises(ValueError, match="AIOSWAP_READ='fast'"):
+        _adaptive.read_mode(None)
+    with pytest.raises(ValueError, match="read='mmap'"):
+        _adaptive.read_mode("mmap")
+
+
+@pytest.mark.parametrize("n,offset", [(1, 0), (4095, 3), (8 << 20, 0), ((19 << 20) + 7, 4097)])
+def test_copy_pool_is_byte_exact(tmp_dir: Path, n: int, offset: int) -> None:
+    p = tmp_dir / "c.bin"
+    data = _file(p, n + offset + 11)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        buf = bytearray(n)
+        assert _adaptive.copy_pool.read(fd, memoryview(buf), offset, str(p)).result() == n
+        assert bytes(buf) == data[offset:offset + n]
+    finally:
+        os.close(fd)
+
+
+def test_copy_pool_names_a_short_file(tmp_dir: Path) -> None:
+    p = tmp_dir / "s.bin"
+    _file(p, 1000)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        fut = _adaptive.copy_pool.read(fd, memoryview(bytearray(5000)), 10, "the file")
+        with pytest.raises(EOFError, match="the file: the file ends at byte 1000"):
+            fut.result()
+    finally:
+        os.close(fd)
