@@ -119,7 +119,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union
 
-from aioswap import _checksum, _tree
+from aioswap import _adaptive, _checksum, _tree
 from aioswap._aio import DEFAULT_ALIGNMENT
 from aioswap._claims import (NameClaims, Released, Releases, guard, released_as,
                              storage_key, unguard)
@@ -319,6 +319,7 @@ class _ReadPlan:
     slot: torch.Tensor | None = None       # small: read into a shared locked slab, copied
     pieces: list[tuple[concurrent.futures.Future[int], int, int]] = field(
         default_factory=list)
+    copied: bool = False                   # copied from the page cache, not read direct
     ready: threading.Event = field(default_factory=threading.Event)   # reads submitted
     error: BaseException | None = None
 
@@ -387,8 +388,8 @@ class TensorSwapper:
 
         Several directories (one per drive, e.g. ``["/nvme0/swap", "/nvme1/swap"]``): every
         data file written is striped over all of them (:mod:`aioswap.stripe`: each drive its
-        own queue, stripe units handed to the drive that frees up first, so a slower drive
-        takes less). Each directory records that it belongs to this swapper
+        own queue, stripe units dealt to the drives in turn, weighted by their measured speed,
+        so a slower drive takes less). Each directory records that it belongs to this swapper
         (``aioswap-owner.json``: the swapper set's id, the device and inode of the
         directory and of the one holding the manifest), so a directory of another swapper
         is refused (nothing of it is ever deleted), two paths to one directory (a bind
@@ -430,6 +431,12 @@ class TensorSwapper:
         Permission bits of the files the swapper creates (data, manifest, lock, marker),
         default 0o600; a directory it creates gets the same bits plus x where r or w is set
         (0o700 for 0o600). Set exactly (``fchmod``), whatever the umask.
+    read : {"auto", "direct", "buffered"}, optional
+        How swap-ins read a tensor of a one-directory swap (:mod:`aioswap._adaptive`):
+        ``"auto"`` copies what the page cache holds (a few threads, ``pread``) and reads the
+        rest direct; ``"direct"`` reads every byte from the drive; ``"buffered"`` through
+        the page cache. Default: ``AIOSWAP_READ``, else ``"auto"``. Striped files are read
+        direct.
 
     Raises
     ------
@@ -458,7 +465,7 @@ class TensorSwapper:
                  checksum: str | None = "auto", max_inflight: int = 8,
                  staging_bytes: int | None = None, pin_memory: bool | None = None,
                  pin_budget: int | None = None, pack_bytes: int = DEFAULT_PACK_BYTES,
-                 mode: int = 0o600) -> None:
+                 mode: int = 0o600, read: str | None = None) -> None:
         self._closed = True          # until the directory is locked (for __del__)
         if handle is not None and config is not None:
             raise ValueError("pass either handle or config, not both")
@@ -472,6 +479,8 @@ class TensorSwapper:
             raise ValueError(f"mode must be permission bits in 0..0o777, got {mode!r}")
         if mode & 0o600 != 0o600:
             raise ValueError(f"mode {mode:#o} must let the owner read and write (0o600)")
+        if read is not None:
+            _adaptive.read_mode(read)           # a bad value: ValueError now
         if checksum == "auto":
             checksum = checksum_algorithms()[0]
         if checksum is not None:
@@ -490,6 +499,7 @@ class TensorSwapper:
         self._pin = pin_memory if pin_memory is None else bool(pin_memory)
         self._pin_budget = DEFAULT_PIN_BUDGET if pin_budget is None else pin_budget
         self._pack_bytes = pack_bytes
+        self._read = read
         self._lock = threading.RLock()            # entries, busy, released, futures
         self._claims = NameClaims(self._lock)
         self._released = Releases()                # guarded by self._lock
@@ -566,6 +576,11 @@ class TensorSwapper:
         return cls(os.path.join(root, name.format(rank=rank, local_rank=local_rank)), **kwargs)
 
     # -- properties ------------------------------------------------------------------------
+    @property
+    def _read_now(self) -> str:
+        """The read mode in force (the argument, else ``AIOSWAP_READ``, else auto)."""
+        return _adaptive.read_mode(self._read)
+
     @property
     def directory(self) -> str:
         """Absolute path of the swap directory that holds the manifest (with several, the
@@ -1198,18 +1213,34 @@ class TensorSwapper:
         if p.flat is None and dest.is_contiguous() and not dest.is_cuda:
             p.flat = dest.reshape(-1).view(torch.uint8)
 
-    def _submit(self, p: _ReadPlan, fd: _DataFile, verify: bool) -> None:
-        """Queue the read(s) of ``p``; large verified reads in chunks hashed as they land."""
+    def _submit(self, p: _ReadPlan, fd: _DataFile, verify: bool,
+                plain: Callable[[str, AioFile], int] | None = None) -> None:
+        """Queue the read(s) of ``p``; large verified reads in chunks hashed as they land.
+
+        ``plain``: reads adapt to the page cache (:mod:`aioswap._adaptive`): a range the cache
+        holds is copied from it on the copy threads through ``plain(file, fd)``, a descriptor
+        of the file without ``O_DIRECT``; the rest is read direct."""
         e = p.entry
         if e.nbytes == 0:
             return
         assert p.dest is not None
         hashed = verify and e.checksum_algo is not None
         if p.flat is not None:
+            copy = (plain is not None and isinstance(fd, AioFile) and p.flat.is_cpu
+                    and _adaptive.choose(self._read_now, fd.direct, fd.fileno(), e.offset,
+                                         e.nbytes))
+            p.copied = copy
             step = _checksum.HASH_CHUNK if hashed and p.nread > _SPLIT_READ else p.nread
             for s in range(0, p.nread, step):
                 k = min(step, p.nread - s)
-                f = fd.pread(p.flat[s:s + k], e.offset + s, async_op=True)
+                if copy:
+                    assert plain is not None and isinstance(fd, AioFile)
+                    n = min(k, p.file_size - e.offset - s)      # padded: never past the end
+                    f = _adaptive.copy_pool.read(plain(e.file, fd),
+                                                 memoryview(p.flat[s:s + n].numpy()),
+                                                 e.offset + s, self._dir.join(e.file))
+                else:
+                    f = fd.pread(p.flat[s:s + k], e.offset + s, async_op=True)
                 assert isinstance(f, concurrent.futures.Future)
                 p.pieces.append((f, s, min(k, e.nbytes - s)))
         else:
@@ -1291,11 +1322,22 @@ class TensorSwapper:
                     return next(it, None)
             return take
 
+        plain_fds: dict[str, int] = {}
+        plain_lock = threading.Lock()
+
+        def plain(fname: str, f: AioFile) -> int:
+            with plain_lock:
+                fd = plain_fds.get(fname)
+                if fd is None:      # the same file, without O_DIRECT (the swapper opened it)
+                    fd = plain_fds[fname] = os.open(f"/proc/self/fd/{f.fileno()}",
+                                                    os.O_RDONLY | os.O_CLOEXEC)
+                return fd
+
         def prepare(take: Callable[[], _ReadPlan | None]) -> None:
             while (p := take()) is not None:
                 try:
                     self._allocate(p)
-                    self._submit(p, fds[p.entry.file], verify)
+                    self._submit(p, fds[p.entry.file], verify, plain)
                 except Exception as exc:        # this tensor fails; the others go on
                     p.error = exc
                 finally:
@@ -1343,6 +1385,14 @@ class TensorSwapper:
                 concurrent.futures.wait([f for p in active for f, _, _ in p.pieces])
                 for fd in fds.values():
                     fd.close()
+                for pfd in plain_fds.values():
+                    os.close(pfd)
+                copied = sum(p.entry.nbytes for p in active if p.copied)
+                total = sum(p.entry.nbytes for p in active)
+                _adaptive.stats.add(copied, total - copied)
+                _log.debug("swap-in of %d tensors (%s): %d bytes copied from the page cache, "
+                           "%d read direct", len(active), self._read_now, copied,
+                           total - copied)
         except BaseException as exc:            # a signal: every request has finished
             first = exc
         for p in plans:

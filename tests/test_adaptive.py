@@ -80,3 +80,63 @@ def test_copy_pool_names_a_short_file(tmp_dir: Path) -> None:
             fut.result()
     finally:
         os.close(fd)
+
+
+def _drop_dir(d: Path) -> None:
+    for p in d.iterdir():
+        if p.name.startswith(("p-", "t-")):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _warm_dir(d: Path) -> None:
+    for p in d.iterdir():
+        if p.name.startswith(("p-", "t-")):
+            p.read_bytes()
+
+
+@pytest.mark.parametrize("read", [None, "direct", "buffered"])
+@pytest.mark.parametrize("cache", ["cold", "warm", "half"])
+def test_swap_in_adapts_and_is_byte_exact(tmp_dir: Path, read: str | None, cache: str) -> None:
+    import torch
+
+    from aioswap.swap import TensorSwapper
+    g = torch.Generator().manual_seed(3)
+    sd = {f"w{i}": torch.randn(200_003 + 977 * i, generator=g).to(
+        torch.bfloat16 if i % 2 else torch.float32) for i in range(6)}
+    sd["small"] = torch.arange(5, dtype=torch.int16)
+    d = tmp_dir / "s"
+    with TensorSwapper(d, pack_bytes=2 << 20, read=read) as sw:
+        sw.swap_out_state_dict("m/", sd)
+        sw.swap_out("single", sd["w0"][:99_999].clone())
+        _drop_dir(d)
+        if cache == "warm":
+            _warm_dir(d)
+        elif cache == "half":       # one pack cached, the others not
+            next(p for p in sorted(d.iterdir()) if p.name.startswith("p-")).read_bytes()
+        before = _adaptive.stats.snapshot()
+        got = sw.swap_in_state_dict("m/")
+        assert sorted(got) == sorted(sd)
+        assert all(torch.equal(got[k], sd[k]) for k in sd)
+        assert torch.equal(sw.swap_in("single"), sd["w0"][:99_999])
+        after = _adaptive.stats.snapshot()
+    copied = after["buffered_bytes"] - before["buffered_bytes"]
+    direct = after["direct_bytes"] - before["direct_bytes"]
+    total = sum(t.numel() * t.element_size() for t in sd.values()) + 99_999 * 4
+    assert copied + direct == total
+    if read == "direct" or (read is None and cache == "cold"):
+        assert copied == 0
+    if read == "buffered" or (read is None and cache == "warm"):
+        assert direct == 0
+    if read is None and cache == "half":
+        assert 0 < copied < total
+
+
+def test_swapper_refuses_a_bad_read_mode(tmp_dir: Path) -> None:
+    from aioswap.swap import TensorSwapper
+    with pytest.raises(ValueError, match="read='fast'"):
+        TensorSwapper(tmp_dir / "x", read="fast")
