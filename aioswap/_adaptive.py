@@ -27,7 +27,8 @@ from typing import Any
 
 from aioswap import _aio
 
-__all__ = ["MODES", "CopyPool", "cached_bytes", "choose", "copy_pool", "read_mode", "stats"]
+__all__ = ["MODES", "CopyPool", "Reader", "cached_bytes", "choose", "copy_pool", "read_mode",
+           "stats"]
 
 _log = logging.getLogger("aioswap")
 
@@ -208,3 +209,76 @@ class CopyPool:
 
 #: The process's copy threads.
 copy_pool = CopyPool()
+
+
+class Reader:
+    """The reads of one load: each range copied from the page cache or read direct.
+
+    ``read``: the mode (see :func:`read_mode`). :meth:`pread` decides per request (one
+    ``cachestat``) and returns a future of the bytes read; a cached range is copied by
+    :data:`copy_pool` through a descriptor of the file without ``O_DIRECT``, opened once per
+    file. :meth:`close` (after every future is done) closes those descriptors, adds what was
+    done to :data:`stats` and logs it at DEBUG as ``what``.
+    """
+
+    def __init__(self, read: str | None, what: str) -> None:
+        try:
+            self.mode = read_mode(read)
+        except ValueError as exc:       # a bad AIOSWAP_READ (callers check their argument)
+            _log.warning("%s; reading with auto", exc)
+            self.mode = "auto"
+        self.what = what
+        self.copied = 0
+        self.direct = 0
+        self._plain: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def _plain_fd(self, f: Any) -> int:
+        fileno = f.fileno()
+        with self._lock:
+            fd = self._plain.get(fileno)
+            if fd is None:
+                fd = self._plain[fileno] = os.open(f"/proc/self/fd/{fileno}",
+                                                   os.O_RDONLY | os.O_CLOEXEC)
+            return fd
+
+    def copies(self, f: Any, offset: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` at ``offset`` of the open file ``f`` (an
+        :class:`~aioswap.AioFile`) are to be copied from the page cache."""
+        return choose(self.mode, f.direct, f.fileno(), offset, nbytes)
+
+    def pread(self, f: Any, target: Any, offset: int, nbytes: int | None = None, *,
+              copy: bool | None = None) -> concurrent.futures.Future[int]:
+        """Read ``nbytes`` (default: all of ``target``, a contiguous CPU uint8-viewable
+        tensor) of ``f`` at ``offset`` into ``target``; ``copy`` overrides the decision."""
+        n = target.numel() * target.element_size() if nbytes is None else nbytes
+        if copy is None:
+            copy = self.copies(f, offset, n)
+        with self._lock:
+            if copy:
+                self.copied += n
+            else:
+                self.direct += n
+        if not copy:
+            fut: concurrent.futures.Future[int] = f.pread(target, offset, nbytes=n,
+                                                          async_op=True)
+            return fut
+        flat = target.reshape(-1).view(dtype=_uint8())[:n]
+        return copy_pool.read(self._plain_fd(f), memoryview(flat.numpy()), offset, f.name)
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._plain = list(self._plain.values()), {}
+            copied, direct = self.copied, self.direct
+            self.copied = self.direct = 0
+        for fd in fds:
+            os.close(fd)
+        if copied or direct:
+            stats.add(copied, direct)
+            _log.debug("%s (%s): %d bytes copied from the page cache, %d read direct",
+                       self.what, self.mode, copied, direct)
+
+
+def _uint8() -> Any:
+    import torch
+    return torch.uint8

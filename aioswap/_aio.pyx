@@ -2082,6 +2082,7 @@ cdef class AioQueue:
     cdef _Q q
     cdef bint _ready
     cdef int _busy                  # calls inside the queue with the GIL released (see _in)
+    cdef str _backend
     cdef object _ring_owner
     cdef long _pid
     cdef object __weakref__
@@ -2093,6 +2094,7 @@ cdef class AioQueue:
         memset(&self.q, 0, sizeof(_Q))
         self._ready = False
         self._ring_owner = None
+        self._backend = "aio"
 
     def __init__(self, int depth, *, bint single_submit=False, bint overlap_events=True,
                  str backend="auto"):
@@ -2177,6 +2179,8 @@ cdef class AioQueue:
         pt.pthread_cond_init(&q.scv, &attr)
         pt.pthread_condattr_destroy(&attr)
         self._pid = getpid()
+        self._backend = ("io_uring" if self.q.uring != NULL
+                         else "threads" if self.q.threads != NULL else "aio")
         self._ready = True
 
     cdef void _free_arrays(self) noexcept:
@@ -2197,10 +2201,9 @@ cdef class AioQueue:
     @property
     def backend(self):
         """``"io_uring"``, ``"aio"`` (kernel AIO) or ``"threads"`` (positional I/O on worker
-        threads); ``why`` says why when "auto" did not get io_uring."""
-        if self.q.uring != NULL:
-            return "io_uring"
-        return "threads" if self.q.threads != NULL else "aio"
+        threads); ``why`` says why when "auto" did not get io_uring. Still answered after
+        :meth:`close`."""
+        return self._backend
 
     @property
     def fixed_ring(self):

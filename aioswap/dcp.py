@@ -24,6 +24,7 @@ holding one ``torch.save`` blob per tensor), so the stock reader reads aioswap c
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import dataclasses
 import io
 import math
@@ -61,10 +62,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from aioswap import pinned
+from aioswap import _adaptive, pinned
 from aioswap._aio import DEFAULT_ALIGNMENT as _ALIGN
 from aioswap._files import AioFile
-from aioswap._util import flat_bytes, fsync_dir
+from aioswap._util import flat_bytes, fsync_dir, wait_all
 from aioswap.errors import ShortReadError
 from aioswap.handle import AioHandle
 
@@ -628,6 +629,10 @@ class AioReader(FileSystemReader):
     staging_bytes : int
         Most bytes held in temporary buffers at once (resharded rows, dtype conversions,
         blobs of stock checkpoints); the requests are batched up to this size.
+    read : {"auto", "direct", "buffered"}, optional
+        How tensors of :class:`AioWriter` checkpoints are read: ``"auto"`` copies the ranges
+        the page cache holds and reads the rest direct (:mod:`aioswap._adaptive`);
+        default ``AIOSWAP_READ``, else auto.
 
     Notes
     -----
@@ -640,10 +645,13 @@ class AioReader(FileSystemReader):
     """
 
     def __init__(self, path: str | os.PathLike[str], *, handle: AioHandle | None = None,
-                 staging_bytes: int = _DEFAULT_STAGING) -> None:
+                 staging_bytes: int = _DEFAULT_STAGING, read: str | None = None) -> None:
         super().__init__(path)
         if int(staging_bytes) < 1:
             raise ValueError(f"staging_bytes must be >= 1, got {staging_bytes}")
+        if read is not None:
+            _adaptive.read_mode(read)           # a bad value: ValueError now
+        self._read = read
         self._handle = handle
         self._staging_bytes = int(staging_bytes)
         self._layout: dict[MetadataIndex, tuple[int, tuple[int, ...], torch.dtype]] = {}
@@ -677,13 +685,15 @@ class AioReader(FileSystemReader):
         if stock:
             super().read_data(dataclasses.replace(plan, items=stock), planner).wait()
         fds: dict[str, tuple[AioFile, int]] = {}
+        reader = _adaptive.Reader(self._read, f"DCP load of {len(direct)} tensors")
         try:
             with _handles.borrow(self._handle) as h:
-                self._read_tensors(h, direct, planner, fds)
+                self._read_tensors(h, direct, planner, fds, reader)
                 self._read_blobs(h, blobs, planner, fds)
         finally:
             for f, _ in fds.values():
                 f.close()
+            reader.close()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -705,8 +715,9 @@ class AioReader(FileSystemReader):
         return fd
 
     def _read_tensors(self, h: AioHandle, reqs: list[ReadItem], planner: LoadPlanner,
-                      fds: dict[str, tuple[AioFile, int]]) -> None:
+                      fds: dict[str, tuple[AioFile, int]], reader: _adaptive.Reader) -> None:
         batch: list[_Pending] = []
+        futs: list[concurrent.futures.Future[int]] = []
         held = 0
         for req in reqs:
             info: _StorageInfo = self.storage_data[req.storage_index]
@@ -739,27 +750,32 @@ class AioReader(FileSystemReader):
             fd = self._fd(h, fds, info.relative_path, start, nbytes, req.storage_index.fqn)
             if (rest_full and target.dtype == dtype and target.device.type == "cpu"
                     and target.is_contiguous()):
-                fd.pread(target, start, nbytes=nbytes, async_op=True)
+                futs.append(reader.pread(fd, target, start, nbytes))
                 batch.append(_Pending(req, target, None, []))
             else:
                 shape = (nrows, *sizes[1:]) if sizes else ()
                 staged = pinned.empty(shape, dtype, strict=False)
-                fd.pread(staged, start, nbytes=nbytes, async_op=True)
+                futs.append(reader.pread(fd, staged, start, nbytes))
                 narrow = [(d, o, n) for d, (o, n) in enumerate(zip(offsets, lengths)) if d]
                 batch.append(_Pending(req, target, staged, narrow))
                 held += nbytes
                 if held >= self._staging_bytes:
-                    self._commit(h, batch, planner)
-                    batch, held = [], 0
-        self._commit(h, batch, planner)
+                    self._commit(h, batch, planner, futs)
+                    batch, futs, held = [], [], 0
+        self._commit(h, batch, planner, futs)
 
     @staticmethod
-    def _commit(h: AioHandle, batch: list[_Pending], planner: LoadPlanner) -> None:
+    def _commit(h: AioHandle, batch: list[_Pending], planner: LoadPlanner,
+                copies: list[concurrent.futures.Future[int]] | None = None) -> None:
         try:
             h.wait()
         except BaseException:
             _drain(h)
+            if copies:
+                concurrent.futures.wait(copies)     # the copy threads too
             raise
+        if copies:
+            wait_all(copies)
         for p in batch:
             if p.staged is not None:
                 src = p.staged

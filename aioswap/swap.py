@@ -319,7 +319,6 @@ class _ReadPlan:
     slot: torch.Tensor | None = None       # small: read into a shared locked slab, copied
     pieces: list[tuple[concurrent.futures.Future[int], int, int]] = field(
         default_factory=list)
-    copied: bool = False                   # copied from the page cache, not read direct
     ready: threading.Event = field(default_factory=threading.Event)   # reads submitted
     error: BaseException | None = None
 
@@ -576,11 +575,6 @@ class TensorSwapper:
         return cls(os.path.join(root, name.format(rank=rank, local_rank=local_rank)), **kwargs)
 
     # -- properties ------------------------------------------------------------------------
-    @property
-    def _read_now(self) -> str:
-        """The read mode in force (the argument, else ``AIOSWAP_READ``, else auto)."""
-        return _adaptive.read_mode(self._read)
-
     @property
     def directory(self) -> str:
         """Absolute path of the swap directory that holds the manifest (with several, the
@@ -1214,31 +1208,28 @@ class TensorSwapper:
             p.flat = dest.reshape(-1).view(torch.uint8)
 
     def _submit(self, p: _ReadPlan, fd: _DataFile, verify: bool,
-                plain: Callable[[str, AioFile], int] | None = None) -> None:
+                reader: _adaptive.Reader | None = None) -> None:
         """Queue the read(s) of ``p``; large verified reads in chunks hashed as they land.
 
-        ``plain``: reads adapt to the page cache (:mod:`aioswap._adaptive`): a range the cache
-        holds is copied from it on the copy threads through ``plain(file, fd)``, a descriptor
-        of the file without ``O_DIRECT``; the rest is read direct."""
+        ``reader``: reads adapt to the page cache (:mod:`aioswap._adaptive`): a tensor whose
+        range the cache holds is copied from it on the copy threads, the rest read direct
+        (striped files: always direct)."""
         e = p.entry
         if e.nbytes == 0:
             return
         assert p.dest is not None
         hashed = verify and e.checksum_algo is not None
         if p.flat is not None:
-            copy = (plain is not None and isinstance(fd, AioFile) and p.flat.is_cpu
-                    and _adaptive.choose(self._read_now, fd.direct, fd.fileno(), e.offset,
-                                         e.nbytes))
-            p.copied = copy
+            copy = (reader is not None and isinstance(fd, AioFile) and p.flat.is_cpu
+                    and reader.copies(fd, e.offset, e.nbytes))
             step = _checksum.HASH_CHUNK if hashed and p.nread > _SPLIT_READ else p.nread
             for s in range(0, p.nread, step):
                 k = min(step, p.nread - s)
-                if copy:
-                    assert plain is not None and isinstance(fd, AioFile)
-                    n = min(k, p.file_size - e.offset - s)      # padded: never past the end
-                    f = _adaptive.copy_pool.read(plain(e.file, fd),
-                                                 memoryview(p.flat[s:s + n].numpy()),
-                                                 e.offset + s, self._dir.join(e.file))
+                f: Any
+                if reader is not None and isinstance(fd, AioFile):
+                    # a copy stops at the end of the file (the last block may be padding)
+                    n = min(k, p.file_size - e.offset - s) if copy else k
+                    f = reader.pread(fd, p.flat[s:s + n], e.offset + s, copy=copy)
                 else:
                     f = fd.pread(p.flat[s:s + k], e.offset + s, async_op=True)
                 assert isinstance(f, concurrent.futures.Future)
@@ -1322,22 +1313,13 @@ class TensorSwapper:
                     return next(it, None)
             return take
 
-        plain_fds: dict[str, int] = {}
-        plain_lock = threading.Lock()
-
-        def plain(fname: str, f: AioFile) -> int:
-            with plain_lock:
-                fd = plain_fds.get(fname)
-                if fd is None:      # the same file, without O_DIRECT (the swapper opened it)
-                    fd = plain_fds[fname] = os.open(f"/proc/self/fd/{f.fileno()}",
-                                                    os.O_RDONLY | os.O_CLOEXEC)
-                return fd
+        reader = _adaptive.Reader(self._read, f"swap-in of {len(active)} tensors")
 
         def prepare(take: Callable[[], _ReadPlan | None]) -> None:
             while (p := take()) is not None:
                 try:
                     self._allocate(p)
-                    self._submit(p, fds[p.entry.file], verify, plain)
+                    self._submit(p, fds[p.entry.file], verify, reader)
                 except Exception as exc:        # this tensor fails; the others go on
                     p.error = exc
                 finally:
@@ -1385,14 +1367,7 @@ class TensorSwapper:
                 concurrent.futures.wait([f for p in active for f, _, _ in p.pieces])
                 for fd in fds.values():
                     fd.close()
-                for pfd in plain_fds.values():
-                    os.close(pfd)
-                copied = sum(p.entry.nbytes for p in active if p.copied)
-                total = sum(p.entry.nbytes for p in active)
-                _adaptive.stats.add(copied, total - copied)
-                _log.debug("swap-in of %d tensors (%s): %d bytes copied from the page cache, "
-                           "%d read direct", len(active), self._read_now, copied,
-                           total - copied)
+                reader.close()
         except BaseException as exc:            # a signal: every request has finished
             first = exc
         for p in plans:

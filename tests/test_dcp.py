@@ -365,6 +365,38 @@ def test_roundtrip_single_process(tmp_dir: Path, writer: str, reader: str) -> No
     _assert_same(got, sd)
 
 
+@pytest.mark.parametrize("read", ["auto", "direct", "buffered"])
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+def test_reads_adapt_to_the_page_cache(tmp_dir: Path, read: str, cache: str) -> None:
+    """AioReader(read=...): byte-exact whether the checkpoint is cached or not and whatever
+    the mode; auto copies cached files and reads the others direct (the stats say which)."""
+    from aioswap import _adaptive
+    sd = _random_state()
+    _save(sd, AioWriter(tmp_dir))
+    for p in tmp_dir.rglob("*.distcp"):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        if cache == "warm":
+            p.read_bytes()
+    before = _adaptive.stats.snapshot()
+    got = _load(_zeros_like(sd), AioReader(tmp_dir, read=read))
+    _assert_same(got, sd)
+    after = _adaptive.stats.snapshot()
+    copied = after["buffered_bytes"] - before["buffered_bytes"]
+    direct = after["direct_bytes"] - before["direct_bytes"]
+    assert copied + direct > 0
+    if read == "direct" or (read == "auto" and cache == "cold"):
+        assert copied == 0
+    if read == "buffered" or (read == "auto" and cache == "warm"):
+        assert direct == 0
+    with pytest.raises(ValueError, match="read='fast'"):
+        AioReader(tmp_dir, read="fast")
+
+
 @pytest.mark.parametrize("reader", ["aio", "stock"])
 def test_roots_spread_a_ranks_files_over_drives(tmp_dir: Path, reader: str) -> None:
     """AioWriter(roots=...): a rank's files spread over the checkpoint directory and the

@@ -39,6 +39,7 @@ import atexit
 import collections
 import concurrent.futures
 import errno
+import logging
 import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Union
@@ -54,6 +55,8 @@ __all__ = ["aio_handle", "aio_read", "aio_write", "deepspeed_memcpy", "gds_handl
            "pin_handle"]
 
 FileArg = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]", int]
+
+_log = logging.getLogger("aioswap")
 
 O_DIRECT_ALIGNMENT = 512
 """DeepNVMe's ``get_alignment()`` unit: 512 bytes per intra-op worker."""
@@ -205,7 +208,10 @@ class _Stripes:
             self._files.clear()
             h, self._handle = self._handle, None
         for f in files:
-            f.close()
+            try:
+                f.close()       # saves its layout: the directory may be gone (at exit)
+            except OSError as exc:
+                _log.warning("could not save the layout of %s on closing it: %s", f.name, exc)
         if h is not None:
             h.close()
 
