@@ -2,7 +2,10 @@
 
 Same calls as ``safetensors.torch``: :func:`load_file`, :func:`save_file`, :func:`load`,
 :func:`save` and a lazy :func:`safe_open`. Files written here are read by the ``safetensors``
-package unchanged and the other way round.
+package unchanged and the other way round. Beyond them: :func:`iter_file` (and
+:meth:`SafeOpen.iter_tensors`) hands tensors over as they land, :func:`load_checkpoint` and
+:func:`iter_checkpoint` read a sharded Hugging Face checkpoint in one call, and
+:func:`save_sharded` writes one over several drives.
 
 Format (https://github.com/huggingface/safetensors): an 8-byte little-endian unsigned length
 ``N``, ``N`` bytes of UTF-8 JSON (padded with spaces), then the data region. The JSON is an
@@ -26,6 +29,26 @@ buffer with a storage of its own (``torch.frombuffer``): tensors never appear to
 (``safetensors.torch.save_file`` accepts them again), they are reported pinned by
 :func:`aioswap.pinned.is_pinned`, and a group's memory is freed when its last tensor goes.
 
+Streaming: :func:`iter_file` is that read as a generator, and :func:`load_file` collects it.
+It yields ``(name, tensor)`` in file order (by data offset; an empty tensor at its offset,
+before the tensor that begins there), a group's tensors once its read has ended, while the
+later groups' reads are in flight (a group that has landed is handed over between two
+submissions, so the first tensors may come before the last buffer is allocated).
+``max_inflight_bytes`` bounds the bytes of groups submitted and not yet handed over in full
+(default: none on the CPU, where the buffers are the result; 1 GiB of staging for a
+device). Leaving the loop early, closing the generator or letting it be collected waits for
+every read in flight before the file is closed.
+
+Checkpoints: :func:`load_checkpoint` / :func:`iter_checkpoint` take a directory with
+``model.safetensors.index.json`` (``{"metadata": {...}, "weight_map": {tensor: shard}}``,
+what :func:`save_sharded` and ``transformers`` write) or ``model.safetensors``, or the index
+file itself. The index and every shard's header are checked before any data is allocated:
+a shard name must be a plain file name of the index's directory (no separator, no ``..``;
+links there are followed), and every tensor must be in exactly one shard, the one the
+weight map names. Then all shards stream through one handle as one sequence of groups
+(shards in file name order), so their reads are in flight together; the dict
+:func:`load_checkpoint` returns is in weight-map order.
+
 Writing: the header (compact JSON, spaces up to a multiple of 8 bytes, tensors ordered by
 dtype alignment then name: the bytes ``safetensors`` writes) and the tensors' bytes are staged
 through a ring of page-locked 16 MiB slots written at aligned file offsets with ``O_DIRECT``,
@@ -34,7 +57,6 @@ file is renamed over ``filename`` (a crash never leaves a half-written checkpoin
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import errno
 import json
@@ -45,7 +67,7 @@ import secrets
 import stat
 import struct
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Union
@@ -58,7 +80,7 @@ from aioswap import pinned
 from aioswap._aio import DEFAULT_ALIGNMENT as _ALIGN
 from aioswap._files import AioFile
 from aioswap._units import shape_fits
-from aioswap._util import flat_bytes, fsync_dir, wait_all, write_atomic
+from aioswap._util import flat_bytes, fsync_dir, round_up, wait_all, write_atomic
 from aioswap.errors import AioswapError
 from aioswap.handle import AioHandle, shared_handle
 
@@ -69,7 +91,10 @@ __all__ = [
     "SafeOpen",
     "SafetensorsError",
     "TensorInfo",
+    "iter_checkpoint",
+    "iter_file",
     "load",
+    "load_checkpoint",
     "load_file",
     "read_header",
     "safe_open",
@@ -204,6 +229,17 @@ def _reject_constant(value: str) -> Any:
     raise ValueError(f"{value} is not valid JSON")
 
 
+def _unique_pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object that names no key twice (JSON parsers keep the last; a reader must not
+    guess which one the writer meant)."""
+    out: dict[str, Any] = {}
+    for k, v in items:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
 def _parse_header(raw: bytes, data_bytes: int, path: str | None) -> Header:
     """Check a header's JSON against a data region of ``data_bytes``; nothing is allocated."""
     where = _where(path)
@@ -217,16 +253,8 @@ def _parse_header(raw: bytes, data_bytes: int, path: str | None) -> Header:
         raise fail(f"the header is not valid UTF-8 ({exc.reason} at byte {exc.start})"
                    ) from None
 
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in items:
-            if k in out:
-                raise ValueError(f"duplicate key {k!r}")
-            out[k] = v
-        return out
-
     try:
-        obj = json.loads(text, object_pairs_hook=pairs, parse_constant=_reject_constant)
+        obj = json.loads(text, object_pairs_hook=_unique_pairs, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
         raise fail(f"the header is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
@@ -421,10 +449,46 @@ def _phys_bytes() -> int:
         return 1 << 34
 
 
+@dataclass(frozen=True)
+class _Source:
+    """A file to load from: its header checked, a torch dtype for every tensor, its file
+    adopted by the handle that reads it."""
+
+    path: str
+    header: Header
+    file: AioFile
+    types: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+
+    @property
+    def size(self) -> int:
+        return self.header.data_offset + self.header.data_bytes
+
+
+def _types(header: Header, path: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The torch dtype and shape of every tensor; raises before anything is read."""
+    return {name: _dtype_of(info, path) for name, info in header.tensors.items()}
+
+
+def _open_source(path: str, handle: AioHandle | None) -> _Source:
+    """Open ``path`` and check its header and dtypes; nothing is allocated for the data."""
+    fd = _open_data(path)
+    try:
+        header = _read_header_fd(fd, path)
+        types = _types(header, path)
+        file = (shared_handle() if handle is None else handle).adopt(fd)
+        fd = -1                             # the handle's own file from here on
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return _Source(path, header, file, types)
+
+
 @dataclass
 class _Group:
-    """Consecutive tensors read with one request into one buffer."""
+    """Consecutive tensors of one source read with one request into one buffer (``nbytes``
+    0: empty tensors only, nothing to read)."""
 
+    source: _Source
     infos: list[TensorInfo]
     file_start: int           # aligned file offset the buffer starts at
     nbytes: int
@@ -433,28 +497,194 @@ class _Group:
     locked: bool = False      # buf counts against the page-locked budget
 
 
-def _groups(header: Header, file_size: int, first: int, most: int) -> list[_Group]:
-    """Tensors in file order, cut into groups of ``first``, ``2 * first``... ``most`` bytes.
+def _group_sizes(first: int, most: int) -> Iterator[int]:
+    """``first``, ``2 * first``... up to ``most``, then ``most`` for ever."""
+    size = first
+    while True:
+        yield size
+        size = min(most, 2 * size)
+
+
+def _groups(src: _Source, sizes: Iterator[int]) -> list[_Group]:
+    """``src``'s tensors in file order, cut into groups of the byte counts ``sizes`` gives.
 
     Small groups first, so the first read starts early and the allocation of the later,
-    larger buffers overlaps the reads of the earlier ones.
+    larger buffers overlaps the reads of the earlier ones. An empty tensor keeps its place
+    (at its offset, before a tensor that begins there; ties in header order).
     """
+    header = src.header
+    order = sorted(header.tensors.values(), key=lambda i: (i.begin, i.end))
     out: list[_Group] = []
-    group_bytes = first
     cur: list[TensorInfo] = []
-    order = sorted((i for i in header.tensors.values() if i.nbytes),
-                   key=lambda i: i.begin)
+    size = 0
     for i, info in enumerate(order):
+        if not cur:
+            size = next(sizes)
         cur.append(info)
-        if (cur[-1].end - cur[0].begin >= group_bytes or i == len(order) - 1):
-            lo = header.data_offset + cur[0].begin
-            hi = header.data_offset + cur[-1].end
-            start = lo // _ALIGN * _ALIGN
-            stop = min(-(-hi // _ALIGN) * _ALIGN, file_size)
-            out.append(_Group(cur, start, stop - start))
+        if cur[-1].end - cur[0].begin >= size or i == len(order) - 1:
+            full = [x for x in cur if x.nbytes]
+            if not full:                    # empty tensors at the end of the file
+                out.append(_Group(src, cur, 0, 0))
+            else:
+                start = (header.data_offset + full[0].begin) // _ALIGN * _ALIGN
+                stop = min(round_up(header.data_offset + full[-1].end, _ALIGN), src.size)
+                out.append(_Group(src, cur, start, stop - start))
             cur = []
-            group_bytes = min(most, 2 * group_bytes)
     return out
+
+
+def _stream(sources: Sequence[_Source], dev: torch.device, limit: int, window: int | None
+            ) -> Generator[tuple[str, torch.Tensor], None, None]:
+    """``(name, tensor)`` of every source in turn, each in file order, a group's tensors as
+    soon as its read has ended.
+
+    Reads are submitted ahead, without waiting, as far as ``window`` allows (bytes of groups
+    submitted and not yet handed over in full; None: no bound); a group lands in
+    page-locked memory while ``limit`` allows. Every read has ended when this returns,
+    raises or is closed; the sources stay open.
+    """
+    sizes = _group_sizes(_FIRST_GROUP_BYTES, _GROUP_BYTES)
+    plan = [g for src in sources for g in _groups(src, sizes)]
+    futures: list[Any] = []
+    # Host memory: on the CPU it is the result, so the first `limit` bytes of the call are
+    # page-locked. For a device it is staging: a group's buffer goes once its tensors are
+    # on the device, and its bytes count against `limit` no more.
+    inflight = locked = 0
+    ahead = 0                               # plan[ahead]: the next group to submit
+    try:
+        for i, g in enumerate(plan):
+            while ahead < len(plan):
+                nxt = plan[ahead]
+                # g has landed and a later read is on its way (the drive stays busy while
+                # the caller works): hand g over before the next allocation
+                if ahead > i + 1 and (g.future is None or g.future.done()):
+                    break
+                if ahead > i and window is not None and inflight + nxt.nbytes > window:
+                    break
+                if nxt.nbytes:              # allocate and submit: later allocations overlap
+                    if locked + nxt.nbytes <= limit:
+                        nxt.buf = memoryview(pinned.allocate(nxt.nbytes, strict=False))
+                        nxt.locked = True
+                        locked += nxt.nbytes
+                    else:
+                        nxt.buf = np.empty(nxt.nbytes, dtype=np.uint8).data
+                    nxt.future = nxt.source.file.pread(
+                        torch.frombuffer(nxt.buf, dtype=torch.uint8), nxt.file_start,
+                        async_op=True)
+                    futures.append(nxt.future)
+                    inflight += nxt.nbytes
+                ahead += 1
+            if g.future is not None:
+                concurrent.futures.wait([g.future])
+                if g.future.exception() is not None:
+                    wait_all(futures)               # every read ends; the first error raises
+            for info in g.infos:        # no local keeps a view (and the buffer) after this
+                yield info.name, _tensor(g, info, dev)
+            g.buf = None
+            inflight -= g.nbytes
+            if dev.type != "cpu" and g.locked:
+                locked -= g.nbytes
+    finally:
+        concurrent.futures.wait(futures)            # never leave the kernel writing
+
+
+def _tensor(g: _Group, info: TensorInfo, dev: torch.device) -> torch.Tensor:
+    """Tensor ``info`` of group ``g`` (landed) on ``dev``."""
+    dtype, shape = g.source.types[info.name]
+    if not info.nbytes:
+        return torch.empty(shape, dtype=dtype, device=dev)
+    t = _view(g.buf, g.source.header.data_offset + info.begin - g.file_start, info, dtype,
+              shape)
+    return t if dev.type == "cpu" else t.to(dev)
+
+
+def _owned_stream(opener: Callable[[], list[_Source]], dev: torch.device, limit: int,
+                  window: int | None) -> Generator[Any, None, None]:
+    """:func:`_stream` over the sources ``opener`` opens, closed with it. Its first item is a
+    marker (None, see :func:`_started`)."""
+    sources = opener()
+    try:
+        yield None
+        yield from _stream(sources, dev, limit, window)
+    finally:
+        for src in sources:
+            src.file.close()
+
+
+def _started(gen: Generator[Any, None, None]) -> Generator[tuple[str, torch.Tensor], None, None]:
+    """``gen`` run up to its marker: what it opens is opened and checked now (errors raise
+    here, not at the caller's first ``next``), and a started generator's ``finally`` runs
+    when it is closed or collected, so what it opened is closed then."""
+    next(gen)
+    return gen
+
+
+def _load_args(device: str | int | torch.device, max_pinned_bytes: int | None,
+               max_inflight_bytes: int | None, path: str
+               ) -> tuple[torch.device, int, int | None]:
+    """The device, the page-locked budget and the window of a load."""
+    dev = _device(device)
+    if sys.byteorder != "little":
+        raise SafetensorsError("safetensors data is little-endian; this machine is not",
+                               path=path)
+    limit = _phys_bytes() // 2 if max_pinned_bytes is None else operator.index(
+        max_pinned_bytes)
+    if max_inflight_bytes is not None:
+        if operator.index(max_inflight_bytes) < 0:
+            raise ValueError(f"max_inflight_bytes must be >= 0, got {max_inflight_bytes}")
+        return dev, limit, operator.index(max_inflight_bytes)
+    return dev, limit, None if dev.type == "cpu" else min(limit, _DEVICE_WINDOW_BYTES)
+
+
+def iter_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
+              handle: AioHandle | None = None, max_pinned_bytes: int | None = None,
+              max_inflight_bytes: int | None = None
+              ) -> Generator[tuple[str, torch.Tensor], None, None]:
+    """Yield ``(name, tensor)`` for every tensor of a safetensors file as its bytes land.
+
+    Tensors come in file order (by data offset; an empty tensor at its offset, before the
+    tensor that begins there). Reads are those of :func:`load_file`, submitted ahead
+    without waiting: the caller gets the first tensors while later reads are in flight.
+
+    Parameters
+    ----------
+    filename : str or os.PathLike
+        The file.
+    device : str, int or torch.device
+        As for :func:`load_file`.
+    handle : AioHandle, optional
+        The handle to read through; default :func:`aioswap.handle.shared_handle`.
+    max_pinned_bytes : int, optional
+        As for :func:`load_file`.
+    max_inflight_bytes : int, optional
+        Bytes of read buffers submitted and not yet handed over in full, at most (at least
+        one group is always in flight, whatever its size). Default: no bound on the CPU
+        (the buffers are the result), 1 GiB (at most ``max_pinned_bytes``) of staging for a
+        device. It bounds memory when the caller lets each tensor go (moves it elsewhere):
+        CPU tensors are views of their group's buffer and keep it alive.
+
+    Returns
+    -------
+    generator of (str, torch.Tensor)
+        The file is opened and its header checked by this call; the reads start at the
+        first ``next``.
+
+    Raises
+    ------
+    SafetensorsError, OSError, ShortReadError, RuntimeError
+        As for :func:`load_file`; a malformed header raises here, before anything is read.
+    ValueError
+        ``max_inflight_bytes`` is negative.
+
+    Notes
+    -----
+    Leaving early (``break``, ``close()``, an exception in the loop, the generator being
+    collected) waits for every read in flight, then closes the file: the kernel never
+    writes into memory that was let go.
+    """
+    path = os.fspath(filename)
+    dev, limit, window = _load_args(device, max_pinned_bytes, max_inflight_bytes, path)
+    return _started(_owned_stream(lambda: [_open_source(path, handle)], dev, limit, window))
 
 
 def load_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
@@ -497,78 +727,217 @@ def load_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
     -----
     ``pinned.allocate(strict=False)`` is used: where the memory cannot be locked
     (RLIMIT_MEMLOCK) it is plain page-aligned memory, one warning per process, and the
-    reads are staged through the handle's bounce pool.
+    reads are staged through the handle's bounce pool. The tensors are those
+    :func:`iter_file` yields, collected.
     """
     path = os.fspath(filename)
-    dev = _device(device)
-    if sys.byteorder != "little":
-        raise SafetensorsError("safetensors data is little-endian; this machine is not",
-                               path=path)
-    limit = _phys_bytes() // 2 if max_pinned_bytes is None else operator.index(
-        max_pinned_bytes)
+    dev, limit, window = _load_args(device, max_pinned_bytes, None, path)
+    src = _open_source(path, handle)
+    try:
+        got = dict(_stream([src], dev, limit, window))
+    finally:
+        src.file.close()
+    return {name: got[name] for name in src.header.tensors}
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+
+_INDEX_NAME = "model.safetensors.index.json"   # transformers' SAFE_WEIGHTS_INDEX_NAME
+_SINGLE_NAME = "model.safetensors"             # transformers' SAFE_WEIGHTS_NAME
+
+
+def _read_index(path: str) -> dict[str, str]:
+    """The weight map of a Hugging Face index, checked: tensor name -> shard file name."""
+    def fail(msg: str) -> SafetensorsError:
+        return SafetensorsError(f"{path!r}: {msg}", path=path)
+
     fd = _open_data(path)
     try:
-        header = _read_header_fd(fd, path)
-        h = shared_handle() if handle is None else handle
-        file = h.adopt(fd)                  # the handle's own file from here on
-        fd = -1
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SafetensorsError(f"{path!r} is not a regular file", path=path)
+        if st.st_size > MAX_HEADER_BYTES:
+            raise fail(f"an index of {st.st_size} bytes is over the limit of "
+                       f"{MAX_HEADER_BYTES} bytes (MAX_HEADER_BYTES)")
+        raw = _pread_all(fd, st.st_size, 0, path)
     finally:
-        if fd >= 0:
-            os.close(fd)
+        os.close(fd)
+    try:        # UnicodeDecodeError is a ValueError
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_pairs,
+                         parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise fail(f"the index is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict) or "weight_map" not in doc:
+        raise fail('the index has no "weight_map" (a JSON object {"weight_map": '
+                   '{tensor name: shard file name}} is expected)')
+    weight_map = doc["weight_map"]
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str)
+                                                   for v in weight_map.values()):
+        raise fail('"weight_map" must be an object of tensor name to shard file name')
+    for shard in sorted(set(weight_map.values())):
+        if (not shard or os.sep in shard or (os.altsep and os.altsep in shard)
+                or ".." in shard or "\0" in shard):
+            raise fail(f"shard file name {shard!r} is refused: a shard is a file of the "
+                       f"index's directory, named without a path separator or '..'")
+    return weight_map
+
+
+def _checkpoint_files(path: str) -> tuple[str | None, dict[str, str] | None, list[str]]:
+    """(index, weight map, shard paths in file name order); (None, None, [file]) for a
+    checkpoint of one file without an index."""
+    if os.path.isdir(path):
+        index = os.path.join(path, _INDEX_NAME)
+        single = os.path.join(path, _SINGLE_NAME)
+        if not os.path.lexists(index):
+            if os.path.lexists(single):
+                return None, None, [single]
+            raise FileNotFoundError(errno.ENOENT, f"{path!r} holds neither {_INDEX_NAME} "
+                                    f"nor {_SINGLE_NAME}", path)
+    elif path.endswith(".json"):
+        index = path
+    else:
+        return None, None, [path]
+    weight_map = _read_index(index)
+    directory = os.path.dirname(index)
+    return index, weight_map, [os.path.join(directory, s)
+                               for s in sorted(set(weight_map.values()))]
+
+
+def _check_index(index: str, weight_map: Mapping[str, str], sources: Sequence[_Source]
+                 ) -> None:
+    """Every tensor in exactly one shard, the one the index names for it."""
+    def fail(msg: str) -> SafetensorsError:
+        return SafetensorsError(f"{index!r}: {msg}", path=index)
+
+    held: dict[str, list[str]] = {}
+    for src in sources:
+        for name in src.header.tensors:
+            held.setdefault(name, []).append(os.path.basename(src.path))
+    for name, shards in held.items():
+        if len(shards) > 1:
+            raise fail(f"tensor {name!r} is in more than one shard: {', '.join(shards)}")
+        listed = weight_map.get(name)
+        if listed is None:
+            raise fail(f"tensor {name!r} of shard {shards[0]!r} is not in the weight_map")
+        if listed != shards[0]:
+            raise fail(f"the weight_map puts tensor {name!r} in {listed!r}, but it is in "
+                       f"{shards[0]!r}")
+    for name, shard in weight_map.items():
+        if name not in held:
+            raise fail(f"the weight_map puts tensor {name!r} in {shard!r}, but no shard "
+                       f"holds it")
+
+
+def _open_checkpoint(path: str, handle: AioHandle | None
+                     ) -> tuple[list[_Source], Mapping[str, Any]]:
+    """The checkpoint's shards, opened and checked (headers, dtypes, index), and the order
+    of its tensors (the weight map's, or the one file's header's)."""
+    index, weight_map, files = _checkpoint_files(path)
+    h = shared_handle() if handle is None else handle
+    sources: list[_Source] = []
     try:
-        types = {name: _dtype_of(info, path) for name, info in header.tensors.items()}
-        groups = _groups(header, header.data_offset + header.data_bytes,
-                         _FIRST_GROUP_BYTES, _GROUP_BYTES)
-        out: dict[str, torch.Tensor] = {}
-        futures: list[Any] = []
-        pending: collections.deque[_Group] = collections.deque()
+        for f in files:
+            try:
+                sources.append(_open_source(f, h))
+            except FileNotFoundError as exc:
+                if index is None:
+                    raise
+                raise SafetensorsError(f"{index!r}: shard {os.path.basename(f)!r} is "
+                                       f"missing ({exc.strerror}: {f!r})", path=index) from exc
+        if index is None:
+            return sources, sources[0].header.tensors
+        assert weight_map is not None
+        _check_index(index, weight_map, sources)
+        return sources, weight_map
+    except BaseException:
+        for src in sources:
+            src.file.close()
+        raise
 
-        def finish(g: _Group) -> None:
-            """Wait for one group, then make (and move) its tensors."""
-            concurrent.futures.wait([g.future])
-            if g.future.exception() is not None:
-                wait_all(futures)                   # every read ends; the first error raises
-            for info in g.infos:
-                dtype, shape = types[info.name]
-                t = _view(g.buf, header.data_offset + info.begin - g.file_start, info, dtype,
-                          shape)
-                out[info.name] = t if dev.type == "cpu" else t.to(dev)
-            g.buf = None
 
-        # Host memory: on the CPU it is the result, so every group keeps its buffer and the
-        # first `limit` bytes are page-locked. For a device it is staging: at most `window`
-        # bytes are in flight, and a group's buffer goes once its tensors are on the device.
-        window = None if dev.type == "cpu" else min(limit, _DEVICE_WINDOW_BYTES)
-        inflight = locked = 0
-        try:
-            for g in groups:      # allocate and submit; later allocations overlap the reads
-                while window is not None and pending and inflight + g.nbytes > window:
-                    done = pending.popleft()
-                    finish(done)
-                    inflight -= done.nbytes
-                    locked -= done.nbytes if done.locked else 0
-                if locked + g.nbytes <= limit:
-                    g.buf = memoryview(pinned.allocate(g.nbytes, strict=False))
-                    g.locked = True
-                    locked += g.nbytes
-                else:
-                    g.buf = np.empty(g.nbytes, dtype=np.uint8).data
-                target = torch.frombuffer(g.buf, dtype=torch.uint8)
-                g.future = file.pread(target, g.file_start, async_op=True)
-                futures.append(g.future)
-                pending.append(g)
-                inflight += g.nbytes
-            while pending:
-                finish(pending.popleft())
-        finally:
-            concurrent.futures.wait(futures)        # never leave the kernel writing
-        for name, info in header.tensors.items():     # empty tensors, and header order
-            if name not in out:
-                dtype, shape = types[name]
-                out[name] = torch.empty(shape, dtype=dtype, device=dev)
-        return {name: out[name] for name in header.tensors}
+def iter_checkpoint(path: PathLike, device: str | int | torch.device = "cpu", *,
+                    handle: AioHandle | None = None, max_pinned_bytes: int | None = None,
+                    max_inflight_bytes: int | None = None
+                    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+    """Yield ``(name, tensor)`` for every tensor of a (sharded) checkpoint as its bytes land.
+
+    Shards in file name order, each shard's tensors in file order (as :func:`iter_file`).
+    The reads of every shard go through one handle and are submitted one after the other
+    without waiting, so all shards are in flight together.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A directory holding ``model.safetensors.index.json`` (the Hugging Face layout that
+        :func:`save_sharded` and ``save_pretrained`` write) or, without one,
+        ``model.safetensors``; or an index file (``*.json``); or one safetensors file.
+    device, handle, max_pinned_bytes, max_inflight_bytes
+        As for :func:`iter_file`; the page-locked budget and the window are for the whole
+        checkpoint.
+
+    Returns
+    -------
+    generator of (str, torch.Tensor)
+        The index and every shard's header are read and checked by this call, before any
+        memory is allocated for data; the reads start at the first ``next``.
+
+    Raises
+    ------
+    SafetensorsError
+        A malformed header in any shard; an index that is not JSON, has no
+        ``"weight_map"`` or one that is not of string to string; a shard file name with a
+        path separator or ``..``; a shard that is missing; a tensor in another shard than
+        the weight map says, in a shard but not in the weight map, in the weight map but in
+        no shard, or in two shards.
+    FileNotFoundError
+        ``path`` does not exist, or is a directory with neither file.
+    OSError, ShortReadError, RuntimeError, ValueError
+        As for :func:`iter_file`.
+
+    Notes
+    -----
+    Only the shards the weight map names are read; a symbolic link in the directory is
+    followed (:func:`save_sharded` links shards on other drives so). Leaving early waits for
+    every read in flight, then closes every shard.
+    """
+    p = os.fspath(path)
+    dev, limit, window = _load_args(device, max_pinned_bytes, max_inflight_bytes, p)
+    return _started(_owned_stream(lambda: _open_checkpoint(p, handle)[0], dev, limit,
+                                  window))
+
+
+def load_checkpoint(path: PathLike, device: str | int | torch.device = "cpu", *,
+                    handle: AioHandle | None = None, max_pinned_bytes: int | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """Load every tensor of a (sharded) checkpoint in one call, all shards read together.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        As for :func:`iter_checkpoint`.
+    device, handle, max_pinned_bytes
+        As for :func:`load_file`, for the whole checkpoint.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        Names in the weight map's order (the header's for a checkpoint of one file); the
+        tensors are those :func:`iter_checkpoint` yields, like :func:`load_file`'s.
+
+    Raises
+    ------
+    SafetensorsError, FileNotFoundError, OSError, ShortReadError, RuntimeError
+        As for :func:`iter_checkpoint`; every check is made before any data is read.
+    """
+    p = os.fspath(path)
+    dev, limit, window = _load_args(device, max_pinned_bytes, None, p)
+    sources, order = _open_checkpoint(p, handle)
+    try:
+        got = dict(_stream(sources, dev, limit, window))
     finally:
-        file.close()
+        for src in sources:
+            src.file.close()
+    return {name: got[name] for name in order}
 
 
 def load(data: bytes) -> dict[str, torch.Tensor]:
@@ -994,6 +1363,31 @@ class SafeOpen:
         if info.nbytes:
             file.pread(t.view(-1).view(torch.uint8), self._header.data_offset + info.begin)
         return t if self._device.type == "cpu" else t.to(self._device)
+
+    def iter_tensors(self, *, max_pinned_bytes: int | None = None,
+                     max_inflight_bytes: int | None = None
+                     ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """Yield ``(name, tensor)`` for every tensor, in file order, as its bytes land.
+
+        As :func:`iter_file` on the open file, to the device given at open: groups of
+        consecutive tensors read ahead, leaving early waits for every read in flight. The
+        file stays open (closing it while iterating lets the reads in flight finish; the
+        next submission raises).
+
+        Raises
+        ------
+        ValueError
+            The file is closed, or ``max_inflight_bytes`` is negative.
+        SafetensorsError
+            A tensor has a dtype this torch lacks (``F6_*``).
+        """
+        file = self._file
+        if file is None:
+            raise ValueError(f"{self._path!r} is closed")
+        dev, limit, window = _load_args(self._device, max_pinned_bytes, max_inflight_bytes,
+                                        self._path)
+        src = _Source(self._path, self._header, file, _types(self._header, self._path))
+        return _stream([src], dev, limit, window)
 
     def close(self) -> None:
         """Close the file. Idempotent."""
