@@ -76,7 +76,7 @@ import numpy as np
 import torch
 
 from aioswap import _scratch as _tmpfiles
-from aioswap import pinned
+from aioswap import _adaptive, pinned
 from aioswap._aio import DEFAULT_ALIGNMENT as _ALIGN
 from aioswap._files import AioFile
 from aioswap._units import shape_fits
@@ -533,19 +533,22 @@ def _groups(src: _Source, sizes: Iterator[int]) -> list[_Group]:
     return out
 
 
-def _stream(sources: Sequence[_Source], dev: torch.device, limit: int, window: int | None
-            ) -> Generator[tuple[str, torch.Tensor], None, None]:
+def _stream(sources: Sequence[_Source], dev: torch.device, limit: int, window: int | None,
+            read: str | None = None) -> Generator[tuple[str, torch.Tensor], None, None]:
     """``(name, tensor)`` of every source in turn, each in file order, a group's tensors as
     soon as its read has ended.
 
     Reads are submitted ahead, without waiting, as far as ``window`` allows (bytes of groups
     submitted and not yet handed over in full; None: no bound); a group lands in
     page-locked memory while ``limit`` allows. Every read has ended when this returns,
-    raises or is closed; the sources stay open.
+    raises or is closed; the sources stay open. ``read``: a group whose range the page cache
+    holds is copied from it, the others read direct (:class:`aioswap._adaptive.Reader`).
     """
     sizes = _group_sizes(_FIRST_GROUP_BYTES, _GROUP_BYTES)
     plan = [g for src in sources for g in _groups(src, sizes)]
     futures: list[Any] = []
+    reader = _adaptive.Reader(read, f"load of {', '.join(s.path for s in sources[:3])}"
+                              + (" ..." if len(sources) > 3 else ""))
     # Host memory: on the CPU it is the result, so the first `limit` bytes of the call are
     # page-locked. For a device it is staging: a group's buffer goes once its tensors are
     # on the device, and its bytes count against `limit` no more.
@@ -568,9 +571,9 @@ def _stream(sources: Sequence[_Source], dev: torch.device, limit: int, window: i
                         locked += nxt.nbytes
                     else:
                         nxt.buf = np.empty(nxt.nbytes, dtype=np.uint8).data
-                    nxt.future = nxt.source.file.pread(
-                        torch.frombuffer(nxt.buf, dtype=torch.uint8), nxt.file_start,
-                        async_op=True)
+                    nxt.future = reader.pread(
+                        nxt.source.file, torch.frombuffer(nxt.buf, dtype=torch.uint8),
+                        nxt.file_start)
                     futures.append(nxt.future)
                     inflight += nxt.nbytes
                 ahead += 1
@@ -586,6 +589,7 @@ def _stream(sources: Sequence[_Source], dev: torch.device, limit: int, window: i
                 locked -= g.nbytes
     finally:
         concurrent.futures.wait(futures)            # never leave the kernel writing
+        reader.close()
 
 
 def _tensor(g: _Group, info: TensorInfo, dev: torch.device) -> torch.Tensor:
@@ -599,13 +603,13 @@ def _tensor(g: _Group, info: TensorInfo, dev: torch.device) -> torch.Tensor:
 
 
 def _owned_stream(opener: Callable[[], list[_Source]], dev: torch.device, limit: int,
-                  window: int | None) -> Generator[Any, None, None]:
+                  window: int | None, read: str | None) -> Generator[Any, None, None]:
     """:func:`_stream` over the sources ``opener`` opens, closed with it. Its first item is a
     marker (None, see :func:`_started`)."""
     sources = opener()
     try:
         yield None
-        yield from _stream(sources, dev, limit, window)
+        yield from _stream(sources, dev, limit, window, read)
     finally:
         for src in sources:
             src.file.close()
@@ -620,9 +624,11 @@ def _started(gen: Generator[Any, None, None]) -> Generator[tuple[str, torch.Tens
 
 
 def _load_args(device: str | int | torch.device, max_pinned_bytes: int | None,
-               max_inflight_bytes: int | None, path: str
+               max_inflight_bytes: int | None, path: str, read: str | None = None
                ) -> tuple[torch.device, int, int | None]:
-    """The device, the page-locked budget and the window of a load."""
+    """The device, the page-locked budget and the window of a load (``read`` checked)."""
+    if read is not None:
+        _adaptive.read_mode(read)           # a bad value: ValueError before anything
     dev = _device(device)
     if sys.byteorder != "little":
         raise SafetensorsError("safetensors data is little-endian; this machine is not",
@@ -638,7 +644,7 @@ def _load_args(device: str | int | torch.device, max_pinned_bytes: int | None,
 
 def iter_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
               handle: AioHandle | None = None, max_pinned_bytes: int | None = None,
-              max_inflight_bytes: int | None = None
+              max_inflight_bytes: int | None = None, read: str | None = None
               ) -> Generator[tuple[str, torch.Tensor], None, None]:
     """Yield ``(name, tensor)`` for every tensor of a safetensors file as its bytes land.
 
@@ -662,6 +668,8 @@ def iter_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
         (the buffers are the result), 1 GiB (at most ``max_pinned_bytes``) of staging for a
         device. It bounds memory when the caller lets each tensor go (moves it elsewhere):
         CPU tensors are views of their group's buffer and keep it alive.
+    read : {"auto", "direct", "buffered"}, optional
+        As for :func:`load_file`.
 
     Returns
     -------
@@ -683,14 +691,16 @@ def iter_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
     writes into memory that was let go.
     """
     path = os.fspath(filename)
-    dev, limit, window = _load_args(device, max_pinned_bytes, max_inflight_bytes, path)
-    return _started(_owned_stream(lambda: [_open_source(path, handle)], dev, limit, window))
+    dev, limit, window = _load_args(device, max_pinned_bytes, max_inflight_bytes, path, read)
+    return _started(_owned_stream(lambda: [_open_source(path, handle)], dev, limit, window,
+                                  read))
 
 
 def load_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
-              handle: AioHandle | None = None, max_pinned_bytes: int | None = None
-              ) -> dict[str, torch.Tensor]:
-    """Load every tensor of a safetensors file, reading it with direct I/O.
+              handle: AioHandle | None = None, max_pinned_bytes: int | None = None,
+              read: str | None = None) -> dict[str, torch.Tensor]:
+    """Load every tensor of a safetensors file: what the page cache holds is copied from it,
+    the rest read with direct I/O.
 
     Parameters
     ----------
@@ -706,6 +716,12 @@ def load_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
     max_pinned_bytes : int, optional
         Page-locked memory this call may allocate for the data (default: half the physical
         memory). Groups past it go to plain memory, read through the handle's bounce pool.
+    read : {"auto", "direct", "buffered"}, optional
+        ``"auto"``: each group of tensors whose range the page cache holds (a file loaded
+        again, ``cachestat``) is copied from it by a few threads, the others are read direct
+        from the drive; a file system without ``O_DIRECT`` (tmpfs) is read buffered.
+        ``"direct"`` or ``"buffered"`` force either. Default: ``AIOSWAP_READ``, else auto.
+        What was done is logged at DEBUG (``aioswap`` logger).
 
     Returns
     -------
@@ -731,10 +747,10 @@ def load_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
     :func:`iter_file` yields, collected.
     """
     path = os.fspath(filename)
-    dev, limit, window = _load_args(device, max_pinned_bytes, None, path)
+    dev, limit, window = _load_args(device, max_pinned_bytes, None, path, read)
     src = _open_source(path, handle)
     try:
-        got = dict(_stream([src], dev, limit, window))
+        got = dict(_stream([src], dev, limit, window, read))
     finally:
         src.file.close()
     return {name: got[name] for name in src.header.tensors}
@@ -857,7 +873,7 @@ def _open_checkpoint(path: str, handle: AioHandle | None
 
 def iter_checkpoint(path: PathLike, device: str | int | torch.device = "cpu", *,
                     handle: AioHandle | None = None, max_pinned_bytes: int | None = None,
-                    max_inflight_bytes: int | None = None
+                    max_inflight_bytes: int | None = None, read: str | None = None
                     ) -> Generator[tuple[str, torch.Tensor], None, None]:
     """Yield ``(name, tensor)`` for every tensor of a (sharded) checkpoint as its bytes land.
 
@@ -871,7 +887,7 @@ def iter_checkpoint(path: PathLike, device: str | int | torch.device = "cpu", *,
         A directory holding ``model.safetensors.index.json`` (the Hugging Face layout that
         :func:`save_sharded` and ``save_pretrained`` write) or, without one,
         ``model.safetensors``; or an index file (``*.json``); or one safetensors file.
-    device, handle, max_pinned_bytes, max_inflight_bytes
+    device, handle, max_pinned_bytes, max_inflight_bytes, read
         As for :func:`iter_file`; the page-locked budget and the window are for the whole
         checkpoint.
 
@@ -901,21 +917,21 @@ def iter_checkpoint(path: PathLike, device: str | int | torch.device = "cpu", *,
     every read in flight, then closes every shard.
     """
     p = os.fspath(path)
-    dev, limit, window = _load_args(device, max_pinned_bytes, max_inflight_bytes, p)
+    dev, limit, window = _load_args(device, max_pinned_bytes, max_inflight_bytes, p, read)
     return _started(_owned_stream(lambda: _open_checkpoint(p, handle)[0], dev, limit,
-                                  window))
+                                  window, read))
 
 
 def load_checkpoint(path: PathLike, device: str | int | torch.device = "cpu", *,
-                    handle: AioHandle | None = None, max_pinned_bytes: int | None = None
-                    ) -> dict[str, torch.Tensor]:
+                    handle: AioHandle | None = None, max_pinned_bytes: int | None = None,
+                    read: str | None = None) -> dict[str, torch.Tensor]:
     """Load every tensor of a (sharded) checkpoint in one call, all shards read together.
 
     Parameters
     ----------
     path : str or os.PathLike
         As for :func:`iter_checkpoint`.
-    device, handle, max_pinned_bytes
+    device, handle, max_pinned_bytes, read
         As for :func:`load_file`, for the whole checkpoint.
 
     Returns
@@ -930,10 +946,10 @@ def load_checkpoint(path: PathLike, device: str | int | torch.device = "cpu", *,
         As for :func:`iter_checkpoint`; every check is made before any data is read.
     """
     p = os.fspath(path)
-    dev, limit, window = _load_args(device, max_pinned_bytes, None, p)
+    dev, limit, window = _load_args(device, max_pinned_bytes, None, p, read)
     sources, order = _open_checkpoint(p, handle)
     try:
-        got = dict(_stream(sources, dev, limit, window))
+        got = dict(_stream(sources, dev, limit, window, read))
     finally:
         for src in sources:
             src.file.close()
@@ -1365,7 +1381,7 @@ class SafeOpen:
         return t if self._device.type == "cpu" else t.to(self._device)
 
     def iter_tensors(self, *, max_pinned_bytes: int | None = None,
-                     max_inflight_bytes: int | None = None
+                     max_inflight_bytes: int | None = None, read: str | None = None
                      ) -> Generator[tuple[str, torch.Tensor], None, None]:
         """Yield ``(name, tensor)`` for every tensor, in file order, as its bytes land.
 
@@ -1385,9 +1401,9 @@ class SafeOpen:
         if file is None:
             raise ValueError(f"{self._path!r} is closed")
         dev, limit, window = _load_args(self._device, max_pinned_bytes, max_inflight_bytes,
-                                        self._path)
+                                        self._path, read)
         src = _Source(self._path, self._header, file, _types(self._header, self._path))
-        return _stream([src], dev, limit, window)
+        return _stream([src], dev, limit, window, read)
 
     def close(self) -> None:
         """Close the file. Idempotent."""

@@ -140,3 +140,72 @@ def test_swapper_refuses_a_bad_read_mode(tmp_dir: Path) -> None:
     from aioswap.swap import TensorSwapper
     with pytest.raises(ValueError, match="read='fast'"):
         TensorSwapper(tmp_dir / "x", read="fast")
+
+
+def _drop(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("read", [None, "direct", "buffered"])
+@pytest.mark.parametrize("cache", ["cold", "warm", "half", "tmpfs"])
+def test_safetensors_loads_adapt_and_are_byte_exact(tmp_dir: Path, read: str | None,
+                                                   cache: str) -> None:
+    import torch
+    from safetensors.torch import load_file as st_load
+    from safetensors.torch import save_file as st_save
+
+    import aioswap.safetensors as ast
+    g = torch.Generator().manual_seed(5)
+    sd = {f"t{i:02d}": torch.randn(300_001 + 4099 * i, generator=g).to(
+        [torch.float32, torch.bfloat16, torch.float16][i % 3]) for i in range(24)}
+    sd["empty"] = torch.empty(0, 3)
+    sd["flag"] = torch.rand(999, generator=g) > 0.5
+    if cache == "tmpfs":
+        if not os.path.isdir("/dev/shm"):
+            pytest.skip("no /dev/shm")
+        import tempfile
+        base = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    else:
+        base = tmp_dir
+    p = base / "m.safetensors"
+    try:
+        st_save(sd, str(p))
+        want = st_load(str(p))
+        if cache != "tmpfs":
+            _drop(p)
+        if cache == "warm":
+            p.read_bytes()
+        elif cache == "half":
+            with open(p, "rb") as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)   # no read-ahead
+                f.read(p.stat().st_size // 2)
+        before = _adaptive.stats.snapshot()
+        got = ast.load_file(p, read=read)
+        after = _adaptive.stats.snapshot()
+        assert list(got) == list(want)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        copied = after["buffered_bytes"] - before["buffered_bytes"]
+        direct = after["direct_bytes"] - before["direct_bytes"]
+        if read == "buffered" or (read is None and cache in ("warm", "tmpfs")):
+            assert direct == 0 and copied > 0       # tmpfs: all in the cache (or no O_DIRECT)
+        elif read == "direct" and cache == "tmpfs":     # tmpfs takes O_DIRECT since 6.6
+            assert copied + direct > 0
+        elif read == "direct" or (read is None and cache == "cold"):
+            assert copied == 0 and direct > 0
+        else:
+            assert copied > 0 and direct > 0
+        if cache != "tmpfs":
+            _drop(p)
+        names = [n for n, _ in ast.iter_file(p, read=read)]
+        assert sorted(names) == sorted(want)
+    finally:
+        if cache == "tmpfs":
+            import shutil
+            shutil.rmtree(base, ignore_errors=True)
+    with pytest.raises(ValueError, match="read='fast'"):
+        ast.load_file(p, read="fast")

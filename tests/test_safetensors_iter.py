@@ -81,6 +81,8 @@ class Spy:
     reads: list[Read] = field(default_factory=list)
 
     def watch(self, h: aioswap.AioHandle, monkeypatch: pytest.MonkeyPatch) -> None:
+        # every read through the handle (none copied from the page cache), to be seen
+        monkeypatch.setenv("AIOSWAP_READ", "direct")
         adopt = h.adopt
 
         def spy_adopt(fd: int, **kwargs: Any) -> SpyFile:
@@ -116,6 +118,9 @@ class SpyFile:
     @property
     def closed(self) -> bool:
         return bool(self.file.closed)
+
+    def __getattr__(self, name: str) -> Any:       # direct, fileno, name: the file's
+        return getattr(self.file, name)
 
 
 @pytest.fixture
