@@ -30,7 +30,8 @@ fio                 reference, cold only: fio 8 MiB O_DIRECT reads, iodepth 64, 
 ==================  =================================================================
 
 Rounds interleave the loaders (the order rotated each round). Per loader: GB/s (10^9 B/s),
-median and range; CPU seconds per GB (user + system, every thread); peak RSS. Ratios of
+median and range; CPU seconds per GB (user + system, every thread); peak RSS over the
+process's RSS before the load (the largest of the rounds). Ratios of
 aioswap to the best peer that returns memory the caller owns (all but ``safetensors``, whose
 tensors map the file) and to fio (cold) or pread4 (warm) are the medians of the per-round
 ratios. ``--json`` prints one object.
@@ -120,7 +121,7 @@ def prepare(d: str, size: int, names: list[str]) -> dict[str, str]:
         import aioswap.safetensors as ast
         shard_dir = os.path.join(d, "sharded")
         total = sum(t.numel() * t.element_size() for t in sd.values())
-        ast.save_sharded(sd, shard_dir, max_shard_size=-(-total // 4) + (1 << 20))
+        ast.save_sharded(sd, shard_dir, max_shard_bytes=-(-total // 4) + (1 << 20))
         paths["aioswap-sharded"] = shard_dir
     if "aioswap-swap" in names:
         from aioswap.swap import TensorSwapper
@@ -248,13 +249,16 @@ def worker(name: str, path: str) -> None:
             __import__(mod[1])
     if name.startswith("fastsafetensors"):
         import fastsafetensors  # noqa: F401
+    with open("/proc/self/status") as f:
+        base = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:"))
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     n = _load(name, path)
     dt = time.perf_counter() - t0
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-    print(json.dumps({"seconds": dt, "bytes": n, "cpu_s": cpu, "maxrss": r1.ru_maxrss * 1024}))
+    print(json.dumps({"seconds": dt, "bytes": n, "cpu_s": cpu,
+                      "rss": r1.ru_maxrss * 1024 - base}))
 
 
 def run_one(name: str, path: str, nbytes: int) -> dict[str, float]:
@@ -268,7 +272,7 @@ def run_one(name: str, path: str, nbytes: int) -> dict[str, float]:
         raise RuntimeError(f"{name}: {r.stderr.strip()[-2000:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
     return {"gbps": out["bytes"] / out["seconds"] / 1e9,
-            "cpu_s_per_gb": out["cpu_s"] / (out["bytes"] / 1e9), "rss": out["maxrss"]}
+            "cpu_s_per_gb": out["cpu_s"] / (out["bytes"] / 1e9), "rss": out["rss"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{v['cpu_s_per_gb']:.2f}", f"{v['peak_rss'] / 1e9:.2f}"]
                 for n, v in sorted(t.items(), key=lambda kv: -kv[1]["gbps"])]
         print(f"\n{mode}:")
-        print_table(["loader", "GB/s", "CPU s/GB", "peak RSS GB"], rows)
+        print_table(["loader", "GB/s", "CPU s/GB", "peak RSS GB (+load)"], rows)
         for ours, per in doc["modes"][mode]["ratios"].items():
             print(f"{ours}: " + ", ".join(f"{k} {v:.2f}x" for k, v in per.items()))
     if skipped:

@@ -11,8 +11,8 @@ It runs in one helper process (a "zygote") that imports torch and aioswap once a
 worker per round (killed with SIGKILL after a random delay) and then a checker, so a round
 costs a fork, not an interpreter start. The worker journals each operation (begin, end)
 with an fsync before and after it, which is what the checker holds the disk against.
-``-m slow`` runs 70 kills per backend under CPU load (two busy processes beside it);
-``AIOSWAP_SOAK_KILLS`` sets the count.
+``-m slow`` runs 24 kills per backend under CPU load (two busy processes beside it);
+``AIOSWAP_SOAK_KILLS`` sets the count (the closing runs of a change: 70 or more).
 """
 from __future__ import annotations
 
@@ -132,8 +132,10 @@ def found(sw, target, allowed):
             return None
         t = sw.swap_in(target)
         for v in allowed:
+            if v is None:
+                continue
             want = tensors(target, v)
-            if v is not None and want.shape == t.shape and torch.equal(want, t):
+            if want.shape == t.shape and torch.equal(want, t):
                 return v
         raise AssertionError(f"{target}: stored bytes match no allowed version")
     names = sw.names(target)
@@ -251,5 +253,5 @@ def test_crash_soak_short(tmp_dir: Path, engine_backend: str) -> None:
 
 @pytest.mark.slow
 def test_crash_soak_under_load(tmp_dir: Path, engine_backend: str) -> None:
-    kills = int(os.environ.get("AIOSWAP_SOAK_KILLS", "70"))
+    kills = int(os.environ.get("AIOSWAP_SOAK_KILLS", "24"))
     _soak(tmp_dir, kills, load=2, seed=int.from_bytes(os.urandom(4), "little"))
