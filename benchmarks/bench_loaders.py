@@ -249,23 +249,30 @@ def worker(name: str, path: str) -> None:
             __import__(mod[1])
     if name.startswith("fastsafetensors"):
         import fastsafetensors  # noqa: F401
-    with open("/proc/self/status") as f:
-        base = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:"))
+    base = _status("VmRSS")
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     n = _load(name, path)
     dt = time.perf_counter() - t0
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    # VmHWM: this process's peak (ru_maxrss would carry the parent's over fork + exec)
     print(json.dumps({"seconds": dt, "bytes": n, "cpu_s": cpu,
-                      "rss": r1.ru_maxrss * 1024 - base}))
+                      "rss": _status("VmHWM") - base}))
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` size in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) * 1024 for x in f if x.startswith(field + ":"))
 
 
 def run_one(name: str, path: str, nbytes: int) -> dict[str, float]:
     if name == "fio":
-        seconds = run_fio(path, "read", nbytes // (8 << 20) * (8 << 20), block_size=8 << 20,
-                          queue_depth=64, end_fsync=False)
-        return {"gbps": nbytes // (8 << 20) * (8 << 20) / seconds / 1e9, "cpu_s_per_gb": float("nan"), "rss": float("nan")}
+        bs = 8 << 20 if nbytes >= 8 << 20 else 1 << 20
+        n = nbytes // bs * bs
+        seconds = run_fio(path, "read", n, block_size=bs, queue_depth=64, end_fsync=False)
+        return {"gbps": n / seconds / 1e9, "cpu_s_per_gb": float("nan"), "rss": float("nan")}
     r = subprocess.run([sys.executable, __file__, "--worker", name, path],
                        capture_output=True, text=True, timeout=1800)
     if r.returncode:

@@ -23,7 +23,7 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 TESTED_HERE = {"bench_formats.py", "bench_handle.py", "gpu_check.py", "bench_hf_offload.py",
-               "bench_stripe.py"}
+               "bench_stripe.py", "bench_loaders.py"}
 TESTED_ELSEWHERE = {"bench_engine.py", "bench_pinned.py", "bench_swap.py", "bench_dcp.py",
                     "bench_safetensors.py", "bench_small_io.py", "bench_stream.py"}
 MINE = {"_common.py", "bench_engine.py", "bench_formats.py", "bench_pinned.py"}
@@ -222,6 +222,27 @@ def common() -> object:
     finally:
         sys.path.remove(str(BENCHMARKS))
     return _common
+
+
+@pytest.mark.slow          # a fresh process per load: ~1 min even at this size
+def test_bench_loaders(tmp_dir: Path) -> None:
+    """Every loader installed, cold and warm, at a tiny size: figures, ratios, JSON, and no
+    file left behind."""
+    done = run_script("bench_loaders.py", "--dir", str(tmp_dir), "--size", "8M", "--repeat",
+                      "1", "--json", cwd=tmp_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(done.stdout)
+    assert set(doc["modes"]) == {"cold", "warm"}
+    for mode, m in doc["modes"].items():
+        for name in ("aioswap", "aioswap-direct", "aioswap-buffered", "aioswap-sharded",
+                     "aioswap-swap", "safetensors", "torch", "pread4"):
+            v = m["loaders"][name]
+            assert v["gbps"] > 0 and v["cpu_s_per_gb"] > 0 and v["peak_rss"] > 0, (mode, v)
+        assert m["ratios"]["aioswap"]["torch"] > 0
+        assert ("fio" in m["loaders"]) == (mode == "cold" and shutil.which("fio") is not None)
+    for peer in ("tensorizer", "fastsafetensors", "runai"):
+        assert (peer in doc["modes"]["cold"]["loaders"]) != (peer in doc["skipped"])
+    assert list(tmp_dir.iterdir()) == []
 
 
 def test_common_scratch_file(common: object, tmp_dir: Path) -> None:
