@@ -82,15 +82,20 @@ def test_copy_pool_names_a_short_file(tmp_dir: Path) -> None:
         os.close(fd)
 
 
+def drop(p: Path) -> None:
+    """Write ``p`` back and drop its pages from the page cache."""
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def _drop_dir(d: Path) -> None:
     for p in d.iterdir():
         if p.name.startswith(("p-", "t-")):
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop(p)
 
 
 def _warm_dir(d: Path) -> None:
@@ -142,15 +147,6 @@ def test_swapper_refuses_a_bad_read_mode(tmp_dir: Path) -> None:
         TensorSwapper(tmp_dir / "x", read="fast")
 
 
-def _drop(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("read", [None, "direct", "buffered"])
 @pytest.mark.parametrize("cache", ["cold", "warm", "half", "tmpfs"])
 def test_safetensors_loads_adapt_and_are_byte_exact(tmp_dir: Path, read: str | None,
@@ -177,7 +173,7 @@ def test_safetensors_loads_adapt_and_are_byte_exact(tmp_dir: Path, read: str | N
         st_save(sd, str(p))
         want = st_load(str(p))
         if cache != "tmpfs":
-            _drop(p)
+            drop(p)
         if cache == "warm":
             p.read_bytes()
         elif cache == "half":
@@ -200,7 +196,7 @@ def test_safetensors_loads_adapt_and_are_byte_exact(tmp_dir: Path, read: str | N
         else:
             assert copied > 0 and direct > 0
         if cache != "tmpfs":
-            _drop(p)
+            drop(p)
         names = [n for n, _ in ast.iter_file(p, read=read)]
         assert sorted(names) == sorted(want)
     finally:

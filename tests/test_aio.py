@@ -402,6 +402,7 @@ def test_property_direct(tmp_dir, align, units, offset_units, block_units, queue
                     block=block_units * align)
 
 
+@pytest.mark.slow      # CI's -m slow run keeps it (moved for a faster default run)
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(size=st.integers(1, 300_000), offset=st.integers(0, 100_000),

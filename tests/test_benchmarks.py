@@ -289,6 +289,7 @@ def test_the_dir_scripts_are_found() -> None:
         set(DIR_SCRIPTS)
 
 
+@pytest.mark.slow      # CI's -m slow run keeps it (moved for a faster default run)
 @pytest.mark.parametrize("script", DIR_SCRIPTS)
 def test_a_missing_dir_is_a_usage_error(script: str, tmp_path: Path) -> None:
     """``--dir X`` where X does not exist: one error line and exit status 2, not a traceback

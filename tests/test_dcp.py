@@ -373,13 +373,9 @@ def test_reads_adapt_to_the_page_cache(tmp_dir: Path, read: str, cache: str) -> 
     from aioswap import _adaptive
     sd = _random_state()
     _save(sd, AioWriter(tmp_dir))
+    from test_adaptive import drop
     for p in tmp_dir.rglob("*.distcp"):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop(p)
         if cache == "warm":
             p.read_bytes()
     before = _adaptive.stats.snapshot()

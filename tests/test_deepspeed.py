@@ -205,6 +205,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow      # CI's -m slow run keeps it (moved for a faster default run)
 @needs_deepspeed
 @pytest.mark.parametrize("drives", [1, 3])
 def test_zero3_nvme_offload_trains_like_cpu_offload(tmp_path, drives):

@@ -141,6 +141,7 @@ def test_docs_have_python_blocks() -> None:
     assert len(BLOCKS) >= 10
 
 
+@pytest.mark.slow      # CI's -m slow run keeps it (moved for a faster default run)
 @pytest.mark.parametrize("page,line,source", _params())
 def test_docs_block_runs(page: str, line: int, source: str, tmp_path: Path) -> None:
     missing = _missing_import(source)

@@ -559,6 +559,7 @@ def test_unknown_fields_are_accepted_like_safetensors(tmp_dir: Path) -> None:
 
 # ----------------------------------------------------------------------------- benchmark
 
+@pytest.mark.slow      # CI's -m slow run keeps it (moved for a faster default run)
 def test_benchmark_smoke(tmp_dir: Path) -> None:
     done = subprocess.run([sys.executable, str(BENCH), "--dir", str(tmp_dir), "--repeat", "2"],
                           capture_output=True, text=True, timeout=300, check=False)
@@ -575,6 +576,7 @@ def test_benchmark_smoke(tmp_dir: Path) -> None:
     assert list(tmp_dir.iterdir()) == []
 
 
+@pytest.mark.slow      # CI's -m slow run keeps it (moved for a faster default run)
 def test_benchmark_json(tmp_dir: Path) -> None:
     done = subprocess.run([sys.executable, str(BENCH), "--dir", str(tmp_dir), "--repeat", "1",
                            "--layers", "1", "--hidden", "32", "--json"],
@@ -591,6 +593,7 @@ def test_benchmark_json(tmp_dir: Path) -> None:
     assert list(tmp_dir.iterdir()) == []
 
 
+@pytest.mark.slow      # CI's -m slow run keeps it (moved for a faster default run)
 def test_benchmark_without_cold_rounds(tmp_dir: Path) -> None:
     """--cold 0: no cold column or ratio, and the JSON stays JSON (no NaN)."""
     args = [sys.executable, str(BENCH), "--dir", str(tmp_dir), "--repeat", "1", "--layers",

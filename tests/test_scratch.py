@@ -37,6 +37,7 @@ def _start(*args: str) -> subprocess.Popen[str]:
                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
 
 
+@pytest.mark.slow      # CI's -m slow run keeps it (moved for a faster default run)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 @pytest.mark.parametrize("command", ["bench", "tune"])
 def test_a_signal_during_bench_or_tune_removes_its_scratch_file(tmp_dir: Path, tmp_path: Path,

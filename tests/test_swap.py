@@ -791,6 +791,7 @@ def test_cuda_round_trip(tmp_dir: Path) -> None:
 # Benchmark smoke test
 
 
+@pytest.mark.slow      # CI's -m slow run keeps it (moved for a faster default run)
 def test_bench_swap_smoke(tmp_dir: Path) -> None:
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_swap.py"),
                         "--dir", str(tmp_dir), "--repeat", "2", "--json"],

@@ -245,6 +245,7 @@ def test_io_uring_by_default_and_when_asked_for(monkeypatch: pytest.MonkeyPatch)
     assert _aio.backends_available()["io_uring"] == (True, "")
 
 
+@pytest.mark.slow      # CI's -m slow run keeps it (moved for a faster default run)
 @pytest.mark.skipif(_fs_type("/dev/shm") != "tmpfs", reason="/dev/shm is not tmpfs here")
 @pytest.mark.parametrize("how", ["direct", "buffered", "cqe_short", "cqe_eagain"])
 def test_tmpfs_pieces_run_in_the_submitting_thread(how: str, tmp_dir: Path,
