@@ -18,7 +18,7 @@ PYPROJECT = ROOT / "pyproject.toml"
 VENV = "python3 -m venv .venv && . .venv/bin/activate && "
 CPU_TORCH = "pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu"
 DEEPSPEED = ("pip install --no-deps deepspeed==0.19.8 && pip install hjson msgpack einops "
-             "py-cpuinfo psutil pydantic packaging tqdm")
+             "py-cpuinfo psutil pydantic packaging tqdm ninja")
 
 
 def _quick_start() -> list[str]:
