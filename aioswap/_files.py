@@ -247,24 +247,31 @@ class Sweeper:
         self._thread = None
 
     def watch(self, sweep: Callable[[float], bool]) -> None:
-        """Call ``sweep`` (a bound method: its object is held weakly) until it says False."""
+        """Call ``sweep`` (a bound method: its object is held weakly) until it says False.
+
+        No lock is held while objects are made or dropped here: the garbage collector may
+        run a dropped handle's finalizer in this thread at any allocation, and that calls
+        :meth:`forget` (a lock held here deadlocked it)."""
         key = id(sweep.__self__)    # type: ignore[attr-defined]
+        old = self._calls.get(key)
+        if old is not None and old() is not None:
+            return
+        ref = weakref.WeakMethod(sweep)
+        self._calls[key] = ref          # one dict operation: atomic under the GIL
         with self._lock:
-            if key in self._calls:
+            if self._thread is not None:
                 return
-            self._calls[key] = weakref.WeakMethod(sweep)
-            if self._thread is None:
-                self._wake.clear()
-                t = threading.Thread(target=self._run, daemon=True, name="aioswap-files")
-                self._thread = t
-                t.start()
+            self._wake.clear()
+            t = threading.Thread(target=self._run, daemon=True, name="aioswap-files")
+            self._thread = t
+        t.start()
 
     def forget(self, owner: object) -> None:
-        """Stop calling ``owner``'s sweep (it closed); the thread ends if it was the last."""
-        with self._lock:
-            self._calls.pop(id(owner), None)
-            if not self._calls:
-                self._wake.set()
+        """Stop calling ``owner``'s sweep (it closed); the thread ends if it was the last.
+        Takes no lock: it runs from finalizers (see :meth:`watch`)."""
+        self._calls.pop(id(owner), None)
+        if not self._calls:
+            self._wake.set()
 
     def _run(self) -> None:
         while True:
@@ -274,9 +281,8 @@ class Sweeper:
                 if not self._calls:
                     self._thread = None
                     return
-                calls = list(self._calls.items())
             now = time.monotonic()
-            for key, ref in calls:
+            for key, ref in list(self._calls.items()):
                 sweep = ref()
                 try:
                     keep = sweep is not None and sweep(now)
@@ -284,10 +290,8 @@ class Sweeper:
                     _log.exception("aioswap: closing idle files failed")
                     keep = True
                 del sweep
-                if not keep:
-                    with self._lock:
-                        if self._calls.get(key) is ref:
-                            del self._calls[key]
+                if not keep and self._calls.get(key) is ref:
+                    self._calls.pop(key, None)
 
 
 #: The process's sweeper of idle descriptors.

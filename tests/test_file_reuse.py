@@ -486,3 +486,40 @@ def _timestamp_trials(p: Path, route: str, how: str) -> tuple[int, bytes]:
             os.close(fd)
     with open(p, "rb") as fh:
         return best, fh.read()
+
+
+def test_a_handle_finalized_while_another_caches_a_file_does_not_deadlock(
+        tmp_path: Path) -> None:
+    """Handles dropped in reference cycles are finalized by the garbage collector, which can
+    run inside another handle's first request on a path (while it registers with the idle
+    sweeper): the finalizer's close() must not wait for a lock that thread holds. The
+    collector is made to run at that allocation; this deadlocked at once (seen in CI's slow
+    run); a subprocess with a timeout, so a hang fails the test instead of the suite."""
+    import subprocess
+    import sys
+    import textwrap
+    p = _write(tmp_path / "g.bin", os.urandom(8192))
+    code = textwrap.dedent(f"""
+        import gc, warnings, weakref, aioswap
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.disable()                    # the dropped handles wait for the collection below
+
+        class Collecting(weakref.WeakMethod):       # the collector runs at this allocation
+            def __new__(cls, *args, **kwargs):
+                gc.collect()
+                return super().__new__(cls, *args, **kwargs)
+        weakref.WeakMethod = Collecting
+        for i in range(20):
+            h = aioswap.AioHandle(queue_depth=2, bounce_bytes=64 << 10)
+            h.pread(bytearray(100), {str(p)!r}, 7)       # caches the file: watched
+            h.cycle = h                                   # only the collector frees it
+            del h
+        gc.collect()
+        print("ok")
+    """)
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("deadlocked: a finalizer's close() waited for the idle sweeper's lock")
+    assert r.returncode == 0 and "ok" in r.stdout, (r.returncode, r.stderr[-2000:])
