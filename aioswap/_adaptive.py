@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aioswap import _aio
+from aioswap.errors import ShortReadError
 
 __all__ = ["MODES", "CopyPool", "Reader", "cached_bytes", "choose", "copy_pool", "read_mode",
            "stats"]
@@ -166,7 +167,8 @@ class CopyPool:
              ) -> concurrent.futures.Future[int]:
         """Copy ``len(mem)`` bytes of ``fd`` at ``offset`` into ``mem`` in chunks on the pool;
         a future of the bytes copied. ``fd`` stays the caller's and must stay open until the
-        future is done. A read that ends early raises ``EOFError`` naming ``name``."""
+        future is done. A read that ends early raises
+        :class:`~aioswap.errors.ShortReadError` naming ``name``."""
         total = len(mem)
         out: concurrent.futures.Future[int] = concurrent.futures.Future()
         out.set_running_or_notify_cancel()
@@ -186,8 +188,10 @@ class CopyPool:
                 while got < n:
                     k = os.preadv(fd, [mem[o + got:o + n]], offset + o + got)
                     if k <= 0:
-                        raise EOFError(f"{name}: the file ends at byte {offset + o + got}, "
-                                       f"before the {total} bytes read at offset {offset}")
+                        raise ShortReadError(
+                            f"{name}: the file ends at byte {offset + o + got}, before the "
+                            f"{total} bytes read at offset {offset}", path=name,
+                            offset=offset, nbytes=total, file_size=offset + o + got)
                     got += k
             except BaseException as exc:        # handed to the future
                 with lock:

@@ -76,7 +76,8 @@ def test_copy_pool_names_a_short_file(tmp_dir: Path) -> None:
     fd = os.open(p, os.O_RDONLY)
     try:
         fut = _adaptive.copy_pool.read(fd, memoryview(bytearray(5000)), 10, "the file")
-        with pytest.raises(EOFError, match="the file: the file ends at byte 1000"):
+        from aioswap.errors import ShortReadError
+        with pytest.raises(ShortReadError, match="the file: the file ends at byte 1000"):
             fut.result()
     finally:
         os.close(fd)
