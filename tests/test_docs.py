@@ -8,7 +8,6 @@ installed (the reason names it). Blocks that import transformers or accelerate a
 (the import alone takes 20 s on 2 cores), and so is the build."""
 from __future__ import annotations
 
-import ast
 import importlib
 import importlib.util
 import os
@@ -22,7 +21,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 API = DOCS / "api.md"
-TIMEOUT_S = 300
 
 # Every public module: the package and each module whose name has no leading underscore and
 # that declares __all__. A new public module must be added here and to docs/api.md.
@@ -62,21 +60,6 @@ def _params() -> list[object]:
                              r"^\s*(?:import|from)\s+(?:%s)\b" % "|".join(_SLOW_IMPORTS),
                              src, re.M) else [])
             for page, n, src in BLOCKS]
-
-
-def _missing_import(source: str) -> str | None:
-    """The first module ``source`` imports that is not installed, or None."""
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names = [node.module]
-        else:
-            continue
-        for name in names:
-            if importlib.util.find_spec(name.split(".")[0]) is None:
-                return name.split(".")[0]
-    return None
 
 
 def _directive(qualname: str) -> re.Pattern[str]:
@@ -144,24 +127,8 @@ def test_docs_have_python_blocks() -> None:
 @pytest.mark.slow      # CI's -m slow run keeps it (moved for a faster default run)
 @pytest.mark.parametrize("page,line,source", _params())
 def test_docs_block_runs(page: str, line: int, source: str, tmp_path: Path) -> None:
-    missing = _missing_import(source)
-    if missing is not None:
-        pytest.skip(f"docs/{page}:{line} needs {missing}, which is not installed")
-    script = tmp_path / f"docs_{Path(page).stem}_{line}.py"
-    script.write_text(source, encoding="utf-8")
-    work = tmp_path / "cwd"
-    work.mkdir()
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    env["TMPDIR"] = str(tmp_path)           # the blocks' tempfile.mkdtemp() land here
-    env.setdefault("HF_HUB_OFFLINE", "1")   # the Hugging Face blocks build their models locally
-    try:
-        r = subprocess.run([sys.executable, str(script)], cwd=work, env=env,
-                           capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"docs/{page}:{line} ran longer than {TIMEOUT_S} s")
-    assert r.returncode == 0, (f"docs/{page}:{line} exited {r.returncode}\n"
-                               f"--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}")
+    from test_readme import run_block
+    run_block(f"docs/{page}:{line}", source, tmp_path)
 
 
 # -- the generated performance table --------------------------------------------------------

@@ -64,26 +64,33 @@ def test_readme_has_python_blocks() -> None:
     assert len(BLOCKS) >= 5
 
 
-@pytest.mark.parametrize("line,source", _params())
-def test_readme_block_runs(line: int, source: str, tmp_path: Path) -> None:
+def run_block(where: str, source: str, tmp_path: Path) -> None:
+    """Run one ```python block (``where``: "page:line") as a user pastes it: its own
+    interpreter, an empty working directory, its temporary files under ``tmp_path``;
+    skipped only when a module it imports is not installed."""
     missing = _missing_import(source)
     if missing is not None:
-        pytest.skip(f"README.md:{line} needs {missing}, which is not installed")
-    script = tmp_path / f"readme_{line}.py"
+        pytest.skip(f"{where} needs {missing}, which is not installed")
+    script = tmp_path / f"block_{re.sub(r'[^A-Za-z0-9]', '_', where)}.py"
     script.write_text(source, encoding="utf-8")
     work = tmp_path / "cwd"
     work.mkdir()
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     env["TMPDIR"] = str(tmp_path)           # the blocks' tempfile.mkdtemp() land here
-    env.setdefault("HF_HUB_OFFLINE", "1")   # the Hugging Face block builds its model locally
+    env.setdefault("HF_HUB_OFFLINE", "1")   # the Hugging Face blocks build their models locally
     try:
         r = subprocess.run([sys.executable, str(script)], cwd=work, env=env,
                            capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"README.md:{line} ran longer than {TIMEOUT_S} s")
-    assert r.returncode == 0, (f"README.md:{line} exited {r.returncode}\n"
+        pytest.fail(f"{where} ran longer than {TIMEOUT_S} s")
+    assert r.returncode == 0, (f"{where} exited {r.returncode}\n"
                                f"--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}")
+
+
+@pytest.mark.parametrize("line,source", _params())
+def test_readme_block_runs(line: int, source: str, tmp_path: Path) -> None:
+    run_block(f"README.md:{line}", source, tmp_path)
 
 
 PUBLIC_MODULES = [
