@@ -11,8 +11,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["first_error", "flat_bytes", "fsync_dir", "is_atomic_tmp", "round_up", "wait_all",
-           "write_atomic"]
+__all__ = ["first_error", "flat_bytes", "fsync_dir", "is_atomic_tmp", "round_up", "unique_keys",
+           "wait_all", "write_atomic"]
 
 
 def round_up(n: int, align: int) -> int:
@@ -87,6 +87,17 @@ def is_atomic_tmp(name: str, of: str) -> bool:
         return True
     pid, _, rand = mid.partition("-")
     return pid.isdigit() and len(rand) == 12 and all(c in "0123456789abcdef" for c in rand)
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads`` ``object_pairs_hook`` refusing an object that names a key twice (JSON
+    parsers keep the last one silently; a reader must not guess which the writer meant)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
 
 
 def first_error(futures: Iterable[concurrent.futures.Future[Any]]) -> BaseException | None:

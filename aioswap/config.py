@@ -27,6 +27,7 @@ from typing import Any
 
 from aioswap._aio import MAX_DEPTH
 from aioswap._units import parse_size
+from aioswap._util import unique_keys
 from aioswap.errors import ConfigError
 
 __all__ = ["AIO_SECTION", "DEEPSPEED_DEFAULTS", "DEFAULT_CONFIG", "ENVIRONMENT", "MAX_BLOCK_SIZE",
@@ -299,7 +300,7 @@ class AioConfig:
                 text = f.read()
             source = repr(path)
         try:
-            data = json.loads(text, object_pairs_hook=_no_duplicates)
+            data = json.loads(text, object_pairs_hook=unique_keys)
         except ValueError as e:  # json.JSONDecodeError or a duplicate key
             raise ConfigError(f"cannot parse {source} as an aio config: {e}") from e
         if not isinstance(data, dict):
@@ -315,16 +316,6 @@ class AioConfig:
             An unknown field name or an invalid value.
         """
         return type(self).from_dict({**self.to_dict(), **changes}, defaults=self)
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``object_pairs_hook`` refusing repeated keys, which json.loads keeps silently."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
 
 
 #: aioswap's defaults: what handles, swappers and tools use when given no config (before the

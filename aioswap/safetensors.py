@@ -80,7 +80,8 @@ from aioswap import _adaptive, pinned
 from aioswap._aio import DEFAULT_ALIGNMENT as _ALIGN
 from aioswap._files import AioFile
 from aioswap._units import shape_fits
-from aioswap._util import flat_bytes, fsync_dir, round_up, wait_all, write_atomic
+from aioswap._util import (flat_bytes, fsync_dir, round_up, unique_keys, wait_all,
+                           write_atomic)
 from aioswap.errors import AioswapError
 from aioswap.handle import AioHandle, shared_handle
 
@@ -229,17 +230,6 @@ def _reject_constant(value: str) -> Any:
     raise ValueError(f"{value} is not valid JSON")
 
 
-def _unique_pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object that names no key twice (JSON parsers keep the last; a reader must not
-    guess which one the writer meant)."""
-    out: dict[str, Any] = {}
-    for k, v in items:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
 def _parse_header(raw: bytes, data_bytes: int, path: str | None) -> Header:
     """Check a header's JSON against a data region of ``data_bytes``; nothing is allocated."""
     where = _where(path)
@@ -254,7 +244,7 @@ def _parse_header(raw: bytes, data_bytes: int, path: str | None) -> Header:
                    ) from None
 
     try:
-        obj = json.loads(text, object_pairs_hook=_unique_pairs, parse_constant=_reject_constant)
+        obj = json.loads(text, object_pairs_hook=unique_keys, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
         raise fail(f"the header is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
@@ -779,7 +769,7 @@ def _read_index(path: str) -> dict[str, str]:
     finally:
         os.close(fd)
     try:        # UnicodeDecodeError is a ValueError
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_pairs,
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys,
                          parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
         raise fail(f"the index is not valid JSON: {exc}") from None

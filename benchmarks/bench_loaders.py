@@ -52,7 +52,7 @@ import tempfile
 import time
 from typing import Any
 
-from _common import dir_arg, format_size, orders, print_table, run_fio, size_arg
+from _common import dir_arg, drop_cache, format_size, orders, print_table, run_fio, size_arg
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEERS = ("tensorizer", "fastsafetensors", "fastsafetensors-b", "runai", "torch")
@@ -152,12 +152,7 @@ def files_of(path: str) -> list[str]:
 
 def drop(path: str) -> None:
     for f in files_of(path):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_cache(f)
     if os.geteuid() == 0:
         try:
             with open("/proc/sys/vm/drop_caches", "w") as f:

@@ -85,12 +85,8 @@ def test_copy_pool_names_a_short_file(tmp_dir: Path) -> None:
 
 def drop(p: Path) -> None:
     """Write ``p`` back and drop its pages from the page cache."""
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    from aioswap.tune import drop_cache
+    drop_cache(str(p))
 
 
 def _drop_dir(d: Path) -> None:
