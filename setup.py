@@ -1,4 +1,5 @@
 """Build the Cython extensions and ship the DeepSpeed hook; all metadata is in pyproject.toml."""
+import glob
 import os
 
 from Cython.Build import cythonize
@@ -41,7 +42,8 @@ extensions = [
     # Raw syscalls: no liburing, no libaio, no libaio-dev (the headers are the kernel's).
     Extension("aioswap._aio", ["aioswap/_aio.pyx"], extra_compile_args=_CFLAGS,
               extra_link_args=_LDFLAGS,
-              depends=["aioswap/_uring.h", "aioswap/_kthreads.h", "aioswap/_statlite.h"]),
+              depends=["aioswap/_uring.h", "aioswap/_kthreads.h", "aioswap/_statlite.h"]
+              + sorted(glob.glob(os.path.join(HERE, "aioswap", "_engine", "*.pxi")))),
     # cuFile is dlopen'ed at run time: no CUDA headers or libraries at build time.
     Extension("aioswap._cufile", ["aioswap/_cufile.pyx"], libraries=["dl"],
               extra_compile_args=_CFLAGS, extra_link_args=_LDFLAGS),

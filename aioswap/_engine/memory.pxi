@@ -1,0 +1,199 @@
+# Memory helpers: the process-wide edge-block table, address views, populate and
+# residency probes, copying a bounced read out.
+# Part of aioswap/_aio.pyx (included there, one module).
+
+# ---- the process-wide table of edge blocks being read-modified-written
+
+cdef struct _Edge:
+    void* file
+    int64_t block
+
+DEF _NEDGES = 1024
+cdef _Edge _edges[_NEDGES]
+cdef pt.pthread_mutex_t _edge_mu
+cdef long _self_pid = getpid()
+cdef bint _vm_copy = True           # process_vm_* usable (not refused by seccomp)
+cdef bint _populate = True          # madvise(MADV_POPULATE_WRITE) known (Linux >= 5.14)
+# Copies out of the ring from this size on check the destination's pages with
+# MADV_POPULATE_WRITE (which fails on a page that cannot be written, and faults the pages in
+# for writing) and then memcpy: 1.3x the speed of process_vm_writev; smaller ones are not
+# worth the extra syscall.
+cdef size_t _POPULATE_MIN = 64 << 10
+cdef size_t _page = PAGE_SIZE
+
+
+cdef bint _populate_known() noexcept:
+    """Whether this kernel knows MADV_POPULATE_WRITE (asked once, on one fresh page)."""
+    cdef void* p = mmap(NULL, _page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1,
+                        0)
+    cdef int rc
+    if p == MAP_FAILED:
+        return False
+    rc = madvise(p, _page, MADV_POPULATE_WRITE)
+    munmap(p, _page)
+    return rc == 0
+
+
+_populate = _populate_known()
+
+
+cdef extern from "Python.h":
+    object PyMemoryView_FromMemory(char* mem, Py_ssize_t size, int flags)
+
+
+def address_view(size_t address, Py_ssize_t nbytes):
+    """A read-only ``memoryview`` of ``nbytes`` bytes at ``address``, without a copy.
+
+    The caller keeps the memory alive and unchanged in size while the view is used (the
+    view holds no reference to it). Unlike a ``ctypes`` array of that size, it makes no new
+    type (each of those is a reference cycle for the garbage collector).
+    """
+    if nbytes < 0:
+        raise ValueError(f"address_view needs a size >= 0, got {nbytes}")
+    if nbytes == 0:
+        return memoryview(b"")
+    if address == 0:
+        raise ValueError(f"address_view of {nbytes} bytes at address 0")
+    return PyMemoryView_FromMemory(<char*>address, nbytes, 0x100)     # PyBUF_READ
+
+
+def populate_read(object buf):
+    """Fault in every page of ``buf`` (a mapping's buffer) for reading, in one call with the
+    GIL released: for a file mapping, wait until its bytes are in the page cache (reading
+    them if need be) and map them. Returns False where the kernel lacks
+    ``MADV_POPULATE_READ`` (before Linux 5.14: the pages fault in as they are touched).
+
+    Raises OSError (EFAULT) where a page cannot be mapped: a file mapping past the file's
+    end (the file shrank), or an I/O error.
+    """
+    cdef Py_buffer view
+    cdef uintptr_t lo, hi
+    cdef int rc = 0, e = 0
+    PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+    try:
+        if view.len == 0:
+            return True
+        lo = <uintptr_t>view.buf & ~(<uintptr_t>_page - 1)
+        hi = (<uintptr_t>view.buf + <size_t>view.len + _page - 1) & ~(<uintptr_t>_page - 1)
+        with nogil:
+            rc = madvise(<void*>lo, hi - lo, MADV_POPULATE_READ)
+            if rc != 0:
+                e = errno
+    finally:
+        PyBuffer_Release(&view)
+    if rc != 0:
+        if e == EINVAL:
+            return False
+        raise OSError(e, f"madvise(MADV_POPULATE_READ) of {hi - lo} bytes: {os.strerror(e)}")
+    return True
+
+
+def resident_prefix(int fd, int64_t offset, int64_t nbytes):
+    """How many bytes from ``offset`` (at most ``nbytes``) lie in pages of ``fd``'s file
+    that are in the page cache now: ``mincore`` over a mapping that is never touched, so it
+    reads nothing and starts no read-ahead. (A ``RWF_NOWAIT`` read that misses does start
+    one: the kernel reads the range into the cache without waiting.) 0 where it cannot be
+    told (a file that cannot be mapped)."""
+    cdef int64_t lo, hi, k, npages, got = 0
+    cdef unsigned char* vec
+    cdef void* addr
+    if offset < 0 or nbytes <= 0:
+        return 0
+    lo = offset & ~(<int64_t>_page - 1)
+    hi = offset + nbytes
+    npages = (hi - lo + _page - 1) // _page
+    vec = <unsigned char*>PyMem_RawMalloc(<size_t>npages)
+    if vec == NULL:
+        raise MemoryError()
+    try:
+        with nogil:
+            addr = mmap(NULL, <size_t>(hi - lo), PROT_READ, MAP_SHARED, fd, lo)
+            if addr != MAP_FAILED:
+                if mincore(addr, <size_t>(hi - lo), vec) == 0:
+                    k = 0
+                    while k < npages and vec[k] & 1:
+                        k += 1
+                    got = min(lo + k * <int64_t>_page, hi) - offset
+                munmap(addr, <size_t>(hi - lo))
+    finally:
+        PyMem_RawFree(vec)
+    return got if got > 0 else 0
+
+
+cdef int _copy_out(void* dst, const void* src, size_t n) noexcept nogil:
+    """Copy a bounced read from the ring into the caller's memory; 0, or EFAULT where its
+    pages cannot be written. The kernel copies (process_vm_writev on this process), so
+    memory that is read-only anywhere (a read-only mmap, an mprotect-ed page) fails this
+    piece with EFAULT instead of crashing the process; where the call is refused, memcpy."""
+    cdef iovec local, remote
+    cdef long ret
+    cdef uintptr_t lo, hi
+    global _vm_copy
+    if n == 0:
+        return 0
+    if _populate and n >= _POPULATE_MIN:
+        lo = <uintptr_t>dst & ~(<uintptr_t>_page - 1)
+        hi = (<uintptr_t>dst + n + _page - 1) & ~(<uintptr_t>_page - 1)
+        if madvise(<void*>lo, hi - lo, MADV_POPULATE_WRITE) == 0:
+            # every page is there and writable (a page made read-only between this and the
+            # copy would take a concurrent mprotect of memory the request owns)
+            memcpy(dst, src, n)
+            return 0
+        # EINVAL (a read-only page, or an old kernel), EFAULT, ENOMEM: the kernel's copy
+        # below tells the errors apart
+    if _vm_copy:
+        local.iov_base = <void*>src
+        remote.iov_base = dst
+        local.iov_len = n
+        remote.iov_len = n
+        ret = abi.syscall(abi.SYS_process_vm_writev, _self_pid, &local, <long>1, &remote,
+                          <long>1, <long>0)
+        if ret == <long>n:
+            return 0
+        if ret >= 0 or errno == EFAULT:
+            return EFAULT
+        if errno != ENOSYS and errno != EPERM:
+            return errno
+        _vm_copy = False
+    memcpy(dst, src, n)
+    return 0
+pt.pthread_mutex_init(&_edge_mu, NULL)
+memset(_edges, 0, sizeof(_edges))
+
+
+def _after_fork_in_child():
+    """A child starts with no requests: the edge table is empty and its mutex fresh (another
+    thread of the parent may have held it at fork())."""
+    global _self_pid
+    pt.pthread_mutex_init(&_edge_mu, NULL)
+    memset(_edges, 0, sizeof(_edges))
+    ur.uring_after_fork_child()
+    _self_pid = getpid()
+    _forget_cache_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+cdef int _edge_take(void* file, int64_t block) noexcept nogil:
+    """Lock (file, block) for a read-modify-write; -1 when another holds it (or full)."""
+    cdef int i, free_i = -1
+    pt.pthread_mutex_lock(&_edge_mu)
+    for i in range(_NEDGES):
+        if _edges[i].file == NULL:
+            if free_i < 0:
+                free_i = i
+        elif _edges[i].file == file and _edges[i].block == block:
+            pt.pthread_mutex_unlock(&_edge_mu)
+            return -1
+    if free_i >= 0:
+        _edges[free_i].file = file
+        _edges[free_i].block = block
+    pt.pthread_mutex_unlock(&_edge_mu)
+    return free_i
+
+
+cdef void _edge_give(int i) noexcept nogil:
+    pt.pthread_mutex_lock(&_edge_mu)
+    _edges[i].file = NULL
+    pt.pthread_mutex_unlock(&_edge_mu)
