@@ -44,6 +44,11 @@ extensions = [
               extra_link_args=_LDFLAGS,
               depends=["aioswap/_uring.h", "aioswap/_kthreads.h", "aioswap/_statlite.h"]
               + sorted(glob.glob(os.path.join(HERE, "aioswap", "_engine", "*.pxi")))),
+    # IOFuture, compiled from its .py source: finishing a future runs no Python bytecode, so
+    # a signal handler (KeyboardInterrupt) cannot land in the middle of a delivery that the
+    # thread waiting in wait() or result() runs for the lanes (see aioswap/_future.py).
+    Extension("aioswap._future", ["aioswap/_future.py"], extra_compile_args=_CFLAGS,
+              extra_link_args=_LDFLAGS),
     # cuFile is dlopen'ed at run time: no CUDA headers or libraries at build time.
     Extension("aioswap._cufile", ["aioswap/_cufile.pyx"], libraries=["dl"],
               extra_compile_args=_CFLAGS, extra_link_args=_LDFLAGS),

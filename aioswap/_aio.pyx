@@ -30,8 +30,11 @@ from libc.errno cimport (EAGAIN, EBUSY, EFAULT, EINTR, EINVAL, EIO, EISDIR, ENOM
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memset
 
+import collections
 import logging
 import os
+import sys
+import threading
 
 from aioswap.errors import DirectIOUnsupportedError, HandleClosedError, ShortReadError
 
@@ -45,6 +48,8 @@ from posix.unistd cimport ftruncate, getpid, pread, pwrite, usleep
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from posix.uio cimport iovec
 from posix.unistd cimport close as c_close
+
+cdef class Core                     # the handle's core (_engine/core.pxi)
 
 include "_engine/sys.pxi"
 include "_engine/locked.pxi"

@@ -100,7 +100,7 @@ AioFile = _aio.AioFile
 def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
               perm: int = DEFAULT_FILE_MODE,
               on_buffered: Any = None, direct: bool = True,
-              follow_symlinks: bool = True) -> AioFile:
+              follow_symlinks: bool = True, core: _aio.Core | None = None) -> AioFile:
     """Open ``path`` (``mode`` as in :data:`_MODES`) with ``O_DIRECT`` when it works
     (and ``direct`` asks for it); ``follow_symlinks=False``: ``O_NOFOLLOW``, a symbolic link
     at ``path`` is refused."""
@@ -144,7 +144,7 @@ def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
         if flags & os.O_TRUNC:
             inode.state.forget_size()       # cut to 0: its next writes extend it again
         return AioFile(handle, fd, name, direct=direct, readable=readable,
-                       writable=writable, st=st, inode=inode)
+                       writable=writable, st=st, inode=inode, core=core)
     except BaseException:
         os.close(fd)
         raise
@@ -173,7 +173,8 @@ def check_fd(fd: int, write: bool) -> tuple[int, os.stat_result]:
 
 def open_fd(handle: AioHandle | None, fd: int, write: bool, *,
             on_buffered: Any = None, direct: bool = True,
-            checked: tuple[int, os.stat_result] | None = None) -> AioFile:
+            checked: tuple[int, os.stat_result] | None = None,
+            core: _aio.Core | None = None) -> AioFile:
     """An AioFile over a caller's fd with a descriptor of its own, so the caller may close
     ``fd`` while a request on it is queued (``checked``: :func:`check_fd`'s answer)."""
     name = f"fd {fd}"
@@ -214,7 +215,8 @@ def open_fd(handle: AioHandle | None, fd: int, write: bool, *,
         except OSError:
             pass
         return AioFile(handle, own, name, direct=direct, readable=acc != os.O_WRONLY,
-                       writable=acc != os.O_RDONLY, st=st, inode=_inode(own, st, direct))
+                       writable=acc != os.O_RDONLY, st=st, inode=_inode(own, st, direct),
+                       core=core)
     except BaseException:
         os.close(own)
         raise

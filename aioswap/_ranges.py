@@ -71,7 +71,7 @@ class RangeIndex(Generic[V]):
     each change, never half of one.
     """
 
-    __slots__ = ("_ends", "_guard", "_snap", "_starts", "_values")
+    __slots__ = ("_ends", "_guard", "_starts", "_values", "snap")
 
     def __init__(self, guard: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
         if guard is None:
@@ -81,9 +81,10 @@ class RangeIndex(Generic[V]):
         self._starts: list[int] = []
         self._ends: list[int] = []
         self._values: list[V] = []
-        # read without a lock by lookups here and by aioswap._aio._io_hold (the front door's
-        # registry look-up, in C): keep it an immutable (starts, ends, values) or None
-        self._snap: _Snapshot[V] | None = ((), (), ())
+        #: The published snapshot, read without a lock by lookups here and by the engine's
+        #: registry look-up (aioswap._aio.Core, in C): an immutable (starts, ends, values),
+        #: or None after a change until the next look-up rebuilds it
+        self.snap: _Snapshot[V] | None = ((), (), ())
 
     # ----------------------------------------------------------------------- changes
     def add(self, start: int, end: int, value: V) -> None:
@@ -106,7 +107,7 @@ class RangeIndex(Generic[V]):
             self._starts.insert(i, start)
             self._ends.insert(i, end)
             self._values.insert(i, value)
-            self._snap = None
+            self.snap = None
 
     def remove(self, start: int, value: object = None) -> Span[V] | None:
         """Remove the range starting at ``start`` and return it; None when there is none.
@@ -122,17 +123,17 @@ class RangeIndex(Generic[V]):
                 return None
             span = Span(start, self._ends[i], self._values[i])
             del self._starts[i], self._ends[i], self._values[i]
-            self._snap = None
+            self.snap = None
             return span
 
     # ----------------------------------------------------------------------- lookups
     def _snapshot(self) -> _Snapshot[V]:
-        snap = self._snap
+        snap = self.snap
         if snap is None:
             with self._guard():
-                snap = self._snap
+                snap = self.snap
                 if snap is None:
-                    snap = self._snap = (tuple(self._starts), tuple(self._ends),
+                    snap = self.snap = (tuple(self._starts), tuple(self._ends),
                                          tuple(self._values))
         return snap
 

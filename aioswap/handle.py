@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import numpy as np
 
 from aioswap import _aio, _bounce, _files, pinned
+from aioswap._future import ENGINE as _FUTURES
+from aioswap._future import IOFuture
 from aioswap._buffers import Buffer, resolve
 from aioswap._files import AioFile, FileArg, PathLike, describe
 from aioswap._util import flat_bytes
@@ -59,176 +61,7 @@ __all__ = ["AioFile", "AioHandle", "DeviceTransport", "HandleStats", "IOFuture",
 
 _log = logging.getLogger("aioswap")
 
-_RUNNING = concurrent.futures._base.RUNNING
-_FINISHED = concurrent.futures._base.FINISHED
-_cond_lock = threading.Lock()       # IOFuture: making a future's Condition, or finishing it
-_SLOW = object()            # _aio._short(): this request takes the general path
 _MAX_FILES = 64             # files a handle keeps open for path and fd arguments
-# Buffer types the short path takes (torch.Tensor and nn.Parameter, once torch is in use)
-# and torch.strided; filled by the first tensor request (aioswap never imports torch itself).
-_short_types: set[type] = set()
-_short_layout: Any = None
-
-
-def _learn_torch() -> None:
-    global _short_layout
-    torch = sys.modules.get("torch")
-    if torch is not None and not _short_types:
-        _short_layout = torch.strided
-        _short_types.update((torch.Tensor, torch.nn.Parameter))
-
-
-# Bumped in a child after fork(): a handle made before it refuses to work there (its lanes'
-# threads and kernel contexts stayed in the parent). Cheaper than getpid() per request.
-_fork_generation = [0]
-
-
-def _forked() -> None:
-    _fork_generation[0] += 1
-
-
-os.register_at_fork(after_in_child=_forked)
-
-
-# A thread that waits for asynchronous results reaps and delivers them itself, looking at
-# Python signals (KeyboardInterrupt) and at the state it waits for at least this often.
-_HELP_S = 0.01
-
-
-def _lazy_list(name: str) -> Any:
-    """A property over the list in attribute ``name`` (None until first read: then made)."""
-    def get(self: Any) -> list[Any]:
-        v: list[Any] | None = getattr(self, name)
-        if v is None:
-            v = []
-            setattr(self, name, v)
-        return v
-
-    def put(self: Any, value: list[Any]) -> None:
-        setattr(self, name, value)
-    return property(get, put)
-
-
-class IOFuture(concurrent.futures.Future):  # type: ignore[type-arg]
-    """The future of one asynchronous request; ``result()`` is the number of bytes moved.
-
-    A real :class:`concurrent.futures.Future`: callbacks, ``wait``/``as_completed`` and
-    ``asyncio.wrap_future`` work. ``op`` is ``"read"`` or ``"write"``, ``file`` the path,
-    fd or :class:`AioFile`, ``nbytes`` and ``offset`` the request. A request is running
-    from the moment it is submitted, so ``cancel()`` returns False.
-    """
-
-    # Future.__init__ makes a Condition per future; most futures of a burst are never
-    # looked at (the caller uses wait()), so this one is made on first use, and a request
-    # that ends before anybody used it just records its result (_finish). Creating it and
-    # that check happen under one lock, so a waiter always finds the result or is woken.
-
-    # Future.__init__'s fields, as class defaults (see _aio.init_future): an instance gets
-    # its own when it finishes, or when a waiter or a callback is added
-    _cond: threading.Condition | None = None
-    _state = _RUNNING
-    _result: Any = None
-    _exception: BaseException | None = None
-    _generation = 0             # the fork generation it was made in (0: the first process)
-    _waiter_list: list[Any] | None = None
-    _callback_list: list[Any] | None = None
-    op: str
-    file: FileArg
-    nbytes: int
-    offset: int
-
-    def __init__(self, op: str, file: FileArg, nbytes: int, offset: int) -> None:
-        # Future.__init__'s fields (RUNNING is what set_running_or_notify_cancel() does for
-        # a future nobody else has seen yet: it cannot be cancelled), and the request's
-        _aio.init_future(self, op, file, nbytes, offset)
-
-    @property
-    def _condition(self) -> threading.Condition:      # type: ignore[override]
-        c = self._cond
-        if c is None:
-            with _cond_lock:
-                c = self._cond
-                if c is None:
-                    c = self._cond = threading.Condition()
-        return c
-
-    # Future's lists, made on first use (a waiter or a callback added), each per future
-    _waiters = _lazy_list("_waiter_list")
-    _done_callbacks = _lazy_list("_callback_list")
-
-    # the lane queue (short-path requests): its hurry() gets a thread blocked in result()
-    # the request at once, and with its help() that thread reaps and delivers while it waits
-    _queue: Any = None
-    # the handle whose wait() would raise this future's error; told once result() or
-    # exception() has handed it to the caller, so the handle keeps no delivered error
-    _ledger: Any = None
-    # the handle's wait() generation in which it finished (-1: unfinished, or forgotten)
-    _wgen = -1
-
-    def result(self, timeout: float | None = None) -> Any:
-        if self._state == _FINISHED:
-            # finished (its result set before its state, and never changed after): no
-            # Condition to make and hold, as Future.result would for every future of a burst
-            self._deliver()
-            if self._exception is not None:
-                raise self._exception
-            return self._result
-        return self._hurried(super().result, timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        if self._state == _FINISHED:
-            self._deliver()
-            return self._exception
-        exc: BaseException | None = self._hurried(super().exception, timeout)
-        return exc
-
-    def done(self) -> bool:
-        # a state read (Future.done would make this future's Condition to read it)
-        return self._state == _FINISHED
-
-    def _deliver(self) -> None:
-        ledger = self._ledger
-        if ledger is not None:
-            self._ledger = None
-            ledger._delivered(self)
-
-    def _hurried(self, get: Any, timeout: float | None) -> Any:
-        if self._state == _RUNNING and self._generation != _fork_generation[0]:
-            raise RuntimeError(f"{self!r} belongs to the process that forked this one and "
-                               f"cannot finish here; make a new AioHandle in the child")
-        q = self._queue
-        try:
-            if q is None or self._state != _RUNNING:
-                return get(timeout)
-            # this thread reaps and delivers while it waits
-            end = None if timeout is None else time.monotonic() + timeout
-            while self._state == _RUNNING:
-                left = _HELP_S if end is None else min(_HELP_S, end - time.monotonic())
-                if left <= 0:
-                    break
-                if not q.help(left):
-                    break                       # the lane's thread delivers the rest
-            if end is not None:
-                timeout = max(0.0, end - time.monotonic())
-            if self._state != _RUNNING:
-                return get(timeout)
-            q.hurry(1)
-            try:
-                return get(timeout)
-            finally:
-                q.hurry(-1)
-        finally:
-            if self._state == _FINISHED:
-                self._deliver()
-
-    def _finish(self, result: int, error: BaseException | None) -> None:
-        """Complete the future (the completion thread): set_result/set_exception, or just
-        the fields when nobody has used it yet."""
-        _aio.finish_future(self, result, error)
-
-    def __repr__(self) -> str:
-        return (f"<IOFuture {self.op} {self.nbytes} bytes at {self.offset} of "
-                f"{describe(self.file)} {self._state.lower()}>")
 
 
 @dataclass
@@ -270,18 +103,6 @@ class _Request:
         return "write" if self.write else "read"
 
 
-class _Outcome:
-    """An async request as wait() sees it: its submission number and, once it failed, its
-    error and future (the handle keeps only failed outcomes, until waited or delivered)."""
-
-    __slots__ = ("error", "fut", "seq")
-
-    def __init__(self, seq: int, fut: IOFuture) -> None:
-        self.seq = seq
-        self.fut = fut
-        self.error: BaseException | None = None
-
-
 class _Queued:
     """A one-slice request in a lane's queue: what finishing it needs."""
 
@@ -320,7 +141,8 @@ class _Lane:
     def __init__(self, cfg: AioConfig, ring_cap: int | None, index: int,
                  backend: str) -> None:
         self.queue = _aio.AioQueue(cfg.queue_depth, single_submit=cfg.single_submit,
-                                   overlap_events=cfg.overlap_events, backend=backend)
+                                   overlap_events=cfg.overlap_events, backend=backend,
+                                   registry=pinned.registry)
         buf, n = _bounce.ring_shape(cfg.block_size, cfg.queue_depth, ring_cap)
         self.ring = _bounce.Ring(self.queue, buf, n)
         self.index = index
@@ -416,7 +238,7 @@ class _Async:
         self.errors: list[BaseException] = []
         self.post = post
         self.lock = threading.Lock() if parts > 1 else None
-        self.outcome: _Outcome | None = None
+        self.outcome: _aio.Ticket | None = None
 
     def part_done(self, rq: _aio.Request) -> None:
         done = rq.done
@@ -486,11 +308,6 @@ class AioHandle:
                  *, bounce_bytes: int | None = None,
                  device_transport: DeviceTransport | None = None,
                  backend: str | None = None) -> None:
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        # closed, requests active, statistics: C fields (see _aio.HandleCore)
-        self._core = _aio.HandleCore(self._lock, self._idle)
-        self._core.closed = True
         self._device_transport = device_transport
         env = runtime_settings()        # AIOSWAP_* variables for what is not given
         d = env.aio
@@ -511,38 +328,23 @@ class AioHandle:
                 raise ValueError(f"bounce_bytes must be positive, got {bounce_bytes}")
         self._cfg = cfg
         self._pid = os.getpid()
-        self._generation = _fork_generation[0]
-        # async requests finished and not yet counted by wait(): how many, and the outcomes
-        # of those that failed (until wait() raises or their future delivers the error);
-        # no future is kept for a request that succeeded
-        self._unwaited = 0
-        self._errors: list[_Outcome | _aio.Ticket] = []
-        # submission numbers of unfinished async requests, oldest first (finished ones
-        # are popped from the left lazily): wait() covers everything below a number
-        self._seq = 0
-        self._wait_gen = 0
-        self._open: collections.deque[int] = collections.deque()
-        self._closed_seqs: set[int] = set()
-        self._finished = threading.Condition(self._lock)
-        self._wait_targets: list[int] = []     # the submission number each wait() waits below
+        self._generation = _aio.fork_generation()
         self._warned_buffered = False
-        self._rr = 0
-        self._lanes: list[_Lane] = []
         self._stager = _Stager()
-        # the handle's own files behind path and fd arguments, by (device, inode), least
-        # recently used first (see _cached)
-        self._files: collections.OrderedDict[tuple[int, int], AioFile] = \
-            collections.OrderedDict()
         self._opens = 0
         self._file_uses: dict[AioFile, tuple[int, float]] = {}     # see _sweep_files
+        lanes: list[_Lane] = []
         try:
             for i in range(cfg.intra_op_parallelism):
-                self._lanes.append(_Lane(cfg, bounce_bytes, i, backend))
+                lanes.append(_Lane(cfg, bounce_bytes, i, backend))
         except BaseException:
-            for lane in self._lanes:
+            for lane in lanes:
                 lane.close()
             raise
-        self._closed = False
+        # the state every request shares (lanes, open files, the ledger of asynchronous
+        # requests, statistics, closed and active counts): C fields of the engine's Core
+        self._core = _aio.Core(lanes, cfg.block_size, pinned.registry, _FUTURES, _GENERAL)
+        self._lock = self._core.lock
 
     @classmethod
     def from_config(cls, config: AioConfig, **kwargs: Any) -> AioHandle:
@@ -578,6 +380,10 @@ class AioHandle:
     @_closed.setter
     def _closed(self, value: bool) -> None:
         self._core.closed = value
+
+    @property
+    def _lanes(self) -> list[_Lane]:
+        return self._core.lanes
 
     @property
     def config(self) -> AioConfig:
@@ -681,7 +487,7 @@ class AioHandle:
         self._check(f"open of {describe(path)}")
         return _files.open_path(self, path, mode, perm=perm, on_buffered=self._buffered_warn,
                                 direct=not self._buffered_only,
-                                follow_symlinks=follow_symlinks)
+                                follow_symlinks=follow_symlinks, core=self._core)
 
     def adopt(self, fd: int, *, name: str | None = None) -> AioFile:
         """Take over ``fd``, a regular file or block device the caller opened (with flags of
@@ -717,7 +523,7 @@ class AioHandle:
             raise OSError(getattr(exc, "errno", None) or errno.EBADF,
                           f"fd {fd} is not an open file descriptor") from None
         f = _files.open_fd(self, fd, acc != os.O_RDONLY, on_buffered=self._buffered_warn,
-                           direct=not self._buffered_only)
+                           direct=not self._buffered_only, core=self._core)
         if name is not None:
             f.name = name
         os.close(fd)
@@ -770,7 +576,7 @@ class AioHandle:
         HandleClosedError
             The handle is closed.
         """
-        return _aio.request(self, False, buffer, file, offset, nbytes, async_op, False)
+        return self._core.request(self, False, buffer, file, offset, nbytes, async_op, False)
 
     @overload
     def pwrite(self, buffer: Any, file: FileArg, offset: int = ..., *,
@@ -797,7 +603,7 @@ class AioHandle:
         completes. Fds opened with ``O_APPEND`` are refused. Same parameters, returns and
         errors as :meth:`pread`.
         """
-        return _aio.request(self, True, buffer, file, offset, nbytes, async_op, fsync)
+        return self._core.request(self, True, buffer, file, offset, nbytes, async_op, fsync)
 
     def pread_many(self, requests: Iterable[Sequence[Any]], *,
                    async_op: bool = False) -> list[int] | list[IOFuture]:
@@ -820,10 +626,10 @@ class AioHandle:
         if async_op:
             futs: list[IOFuture] = []
             try:
-                _aio.many_async(self, write, requests, futs)
+                self._core.many_async(self, write, requests, futs)
             except BaseException:
                 concurrent.futures.wait(futs)
-                self._forget(futs)
+                self._core.forget(futs)
                 raise
             return futs
         # sync: every request is queued before the first is waited for; no futures, no
@@ -833,7 +639,7 @@ class AioHandle:
         # between a submission and the append to `queued`
         subs: list[_aio.Request] = []
         try:
-            _aio.many_queue(self, write, requests, queued, subs)
+            self._core.many_queue(self, write, requests, queued, subs)
         except Exception:
             # a bad item: what was queued before it is valid and runs to the end
             self._abandon(queued, cancel=False)
@@ -845,7 +651,7 @@ class AioHandle:
             known = {id(q.rq) for q in queued if not isinstance(q, _Request)}
             _drain([rq for rq in subs if id(rq) not in known])
             raise
-        out, first = _aio.many_finish(self, queued)
+        out, first = self._core.many_finish(self, queued)
         if first is not None:
             raise first
         return out
@@ -906,87 +712,11 @@ class AioHandle:
         runs to the end; then the first error (in submission order) is raised. An
         interrupted wait (KeyboardInterrupt) leaves them pending for the next ``wait``.
         """
-        if self._generation != _fork_generation[0]:
+        if self._generation != _aio.fork_generation():
             self._check("wait()")               # a forked child: nothing completes here
-        with self._lock:
-            if not self._open and not self._unwaited:
-                return 0
-            if self._open and (any(lane.thread is threading.current_thread()
-                                   for lane in self._lanes) or self._stager.current()):
-                raise RuntimeError("wait() from a completion callback of the same handle "
-                                   "would wait for itself; wait in another thread")
-            upto = self._seq
-            self._wait_targets.append(upto)
-            hurried = False
-            # with one lane, this thread reaps and delivers while it waits (no thread to wake
-            # per completion, no GIL to hand over); else the lanes' threads do, and notify
-            helper = self._lanes[0].queue.help if len(self._lanes) == 1 else None
-            stand_by = False
-            try:
-                while self._open and self._open[0] < upto:
-                    if helper is not None and not stand_by:
-                        self._lock.release()
-                        try:
-                            helping = helper(_HELP_S)
-                        finally:
-                            self._lock.acquire()
-                        # nothing left in flight: the lane's thread delivers the rest; look
-                        # again under the lock before waiting for its notification
-                        stand_by = not helping
-                        continue
-                    if not hurried:             # nothing to gather batches for now
-                        hurried = True
-                        for lane in self._lanes:
-                            lane.queue.hurry(1)
-                    self._finished.wait()
-                    stand_by = False
-            finally:
-                self._wait_targets.remove(upto)
-                if hurried:
-                    for lane in self._lanes:
-                        lane.queue.hurry(-1)
-            n, errors = self._unwaited, self._errors
-            self._unwaited, self._errors = 0, []
-            self._wait_gen += 1
-        if errors:
-            first = min(errors, key=lambda o: o.seq)
-            for o in errors:
-                o.fut._ledger = None
-            assert first.error is not None
-            raise first.error
-        return n
-
-    def _forget(self, futs: Iterable[IOFuture]) -> int:
-        """Uncount finished futures that wait() has not counted yet; how many."""
-        n = 0
-        with self._lock:
-            for f in futs:
-                if f._wgen == self._wait_gen:
-                    f._wgen = -1
-                    self._unwaited -= 1
-                    n += 1
-                    self._drop_error(f)
-        return n
-
-    def _delivered(self, fut: IOFuture) -> None:
-        """A failed future handed its error to the caller: wait() no longer raises it."""
-        with self._lock:
-            self._drop_error(fut)
-
-    def _drop_error(self, fut: IOFuture) -> None:
-        errors = self._errors
-        for i, o in enumerate(errors):
-            if o.fut is fut:
-                del errors[i]
-                fut._ledger = None
-                return
-
-    def _finished_locked(self, outcome: _Outcome | _aio.Ticket, error: BaseException | None,
-                         counted: bool = True) -> None:
-        """An async request is over (``self._lock`` held): record it, wake wait().
-        ``counted``: False for a request that failed to be submitted (its caller got the
-        error; wait() neither counts nor raises it)."""
-        _aio.finished_locked(self, outcome, error, counted)
+        own = (any(lane.thread is threading.current_thread() for lane in self._lanes)
+               or self._stager.current())
+        return self._core.wait(own)
 
     def close(self) -> None:
         """Refuse new requests, finish those in flight, then free lanes, threads and rings.
@@ -997,7 +727,7 @@ class AioHandle:
             if self._closed:
                 return
             self._closed = True
-            if self._generation != _fork_generation[0] or self._pid != os.getpid():
+            if self._generation != _aio.fork_generation() or self._pid != os.getpid():
                 return              # a forked child: the parent's lanes and requests
             if (any(lane.thread is threading.current_thread() for lane in self._lanes)
                     or self._stager.current()):
@@ -1013,9 +743,9 @@ class AioHandle:
         """Wait until no request is active, then free the lanes (threads, contexts, rings)."""
         with self._lock:
             while self._core.active:
-                self._idle.wait()
-            files = list(self._files.values())
-            self._files.clear()
+                self._core.idle.wait(0.01)     # (a wake a signal handler cut short)
+            files = list(self._core.files.values())
+            self._core.files.clear()
         _files.sweeper.forget(self)
         for f in files:
             f.close()
@@ -1041,7 +771,7 @@ class AioHandle:
     def _check(self, what: str) -> None:
         if self._closed:
             raise HandleClosedError(f"{what} on a closed AioHandle")
-        if self._generation != _fork_generation[0] or self._pid != os.getpid():
+        if self._generation != _aio.fork_generation() or self._pid != os.getpid():
             raise RuntimeError(f"{what}: this AioHandle was created in process {self._pid} "
                                f"and cannot be used after fork(); create a new AioHandle in "
                                f"the child")
@@ -1070,15 +800,16 @@ class AioHandle:
         tf = type(file)
         if tf is AioFile:
             return file                         # type: ignore[return-value]
-        if self._closed or self._generation != _fork_generation[0]:
+        if self._closed or self._generation != _aio.fork_generation():
             return None
         if tf is int or tf is str or tf is bytes or isinstance(file, os.PathLike):
             return self._cached(file, write)    # type: ignore[arg-type]
         return None
 
     def _short_finish(self, q: _aio.ShortQueued, drain: bool = False) -> int:
-        """Reap a queued short-path request (``drain``: without looking at signals)."""
-        return _aio.short_finish(self, q, drain)
+        """Reap a queued request of the compiled path (``drain``: without looking at
+        signals)."""
+        return self._core.short_finish(q, drain)
 
     def _error(self, write: bool, f: AioFile, offset: int, n: int, done: int, err: int,
                eoff: int, en: int) -> BaseException:
@@ -1089,15 +820,15 @@ class AioHandle:
                  fsync: bool) -> _Request:
         """Validate a request and open its file; it counts as active until released."""
         op = "write" if write else "read"
-        if self._closed or self._generation != _fork_generation[0]:
+        if self._closed or self._generation != _aio.fork_generation():
             self._check(f"{op} of {describe(file)}")
         if type(offset) is not int:
             offset = _integer(offset, "offset", file)
         if offset < 0:
             raise ValueError(f"negative file offset {offset} for {describe(file)}")
         mem = resolve(buffer)
-        if mem.tensor is not None and not _short_types:
-            _learn_torch()
+        if mem.tensor is not None:
+            _aio.learn_torch()                  # the compiled path takes the next ones
         n = mem.nbytes if nbytes is None else _integer(nbytes, "nbytes", file)
         if n < 0:
             raise ValueError(f"negative nbytes {n} for {describe(file)}")
@@ -1157,9 +888,9 @@ class AioHandle:
         back pinned (counted as in use, so neither an eviction nor ``close()`` closes its
         descriptor under the request); the request's end unpins it (``unuse``).
         """
-        f = _aio.cached_hit(self, file, write)     # one C call for the usual case
+        f: AioFile | None = self._core.cached_hit(file, write)     # one C call, usually
         if f is not None:
-            return f  # type: ignore[no-any-return]
+            return f
         # not open yet, or unusual: asked again the slow way, which raises the errors
         checked = None
         if isinstance(file, int):
@@ -1173,15 +904,15 @@ class AioHandle:
                 st = None                       # a write creates it
             if st is not None:
                 _files.check_kind(st, describe(file))
-        files = self._files
+        files = self._core.files
         if isinstance(file, int):
             f = _files.open_fd(self, file, write, on_buffered=self._buffered_warn,
                                direct=not self._buffered_only,
-                               checked=checked)
+                               checked=checked, core=self._core)
         else:
             f = _files.open_path(self, file, "a+" if write else "r",
                                  on_buffered=self._buffered_warn,
-                                 direct=not self._buffered_only)
+                                 direct=not self._buffered_only, core=self._core)
         # files deleted or replaced since (unlinked) are let go, so their space is freed: looked
         # for at every 8th open (an fstat per kept file), so a working set of more files than
         # are kept does not pay that scan per request
@@ -1222,7 +953,7 @@ class AioHandle:
         with self._lock:
             if self._closed:
                 return False
-            kept = list(self._files.items())
+            kept = list(self._core.files.items())
         seen = self._file_uses
         drop = []
         for key, f in kept:
@@ -1236,11 +967,11 @@ class AioHandle:
         closing = []
         with self._lock:
             for key, f in drop:
-                if self._files.get(key) is f and not f.busy:
-                    del self._files[key]
+                if self._core.files.get(key) is f and not f.busy:
+                    del self._core.files[key]
                     closing.append(f)
-            left = bool(self._files)
-            live = set(self._files.values())
+            left = bool(self._core.files)
+            live = set(self._core.files.values())
         for f in list(seen):
             if f not in live:
                 del seen[f]
@@ -1254,8 +985,8 @@ class AioHandle:
         path or fd opens the file again. The handle also closes one by itself when its file
         is deleted, or after :data:`aioswap._files.IDLE_CLOSE_S` seconds unused."""
         with self._lock:
-            files = list(self._files.values())
-            self._files.clear()
+            files = list(self._core.files.values())
+            self._core.files.clear()
         for f in files:
             f.close()
         return len(files)
@@ -1269,11 +1000,7 @@ class AioHandle:
     # -- planning --------------------------------------------------------------------------
     def _block(self, f: AioFile) -> int:
         """Piece size on ``f``: the block size rounded down to its alignment (at least one)."""
-        block = self._cfg.block_size
-        if not f.direct:
-            return block
-        unit = f.off_align if f.off_align >= f.mem_align else f.mem_align
-        return unit if block < unit else block // unit * unit
+        return self._core.piece(f)
 
     def _slices(self, req: _Request) -> list[tuple[int, int]]:
         """``(start, nbytes)`` of the lanes' contiguous slices of a request."""
@@ -1294,9 +1021,10 @@ class AioHandle:
         return list(zip(cuts, (b - a for a, b in zip(cuts, cuts[1:]))))
 
     def _mode(self, req: _Request, held: bool = False) -> tuple[int, int, int]:
-        """How the pieces of a contiguous host request run (see :func:`_plan`). ``held``:
-        the memory is known to be pinned (a registry hold is out)."""
-        return _plan(req.file, req.mem.address, req.nbytes, req.offset, True if held else None)
+        """How the pieces of a contiguous host request run (see ``_aio.plan``). ``held``: the
+        memory is known to be pinned (a registry hold is out)."""
+        return self._core.plan(req.file, req.mem.address, req.nbytes,
+                               req.offset, True if held else None)
 
     def _count_paths(self, mode: int, edges: int, middle: int) -> None:
         """Bytes per path into the stats."""
@@ -1318,8 +1046,7 @@ class AioHandle:
         block = self._block(f)
         fsync = req.fsync and len(slices) == 1
         if len(slices) == 1:
-            self._rr = rr = (self._rr + 1) % len(self._lanes)     # a hint: races are fine
-            lanes = [self._lanes[rr]]
+            lanes = [self._core.next_lane()]
         else:
             lanes = self._lanes
         submitted: list[_aio.Request] = []
@@ -1433,8 +1160,7 @@ class AioHandle:
         hold = pinned.registry.hold(req.mem.address, req.nbytes)
         try:
             mode, edges, middle = self._mode(req, hold is not None)
-            self._rr = rr = (self._rr + 1) % len(self._lanes)     # a hint: races are fine
-            lane = self._lanes[rr]
+            lane = self._core.next_lane()
             if (mode == _aio.MODE_BOUNCE or edges) and not lane.ring.attached:
                 lane.ring.ensure()
             if not sync and lane.thread is None:
@@ -1552,11 +1278,7 @@ class AioHandle:
     # -- async -----------------------------------------------------------------------------
     def _start_async(self, req: _Request) -> IOFuture:
         fut = IOFuture(req.op, req.arg, req.nbytes, req.offset)
-        with self._lock:
-            outcome = _Outcome(self._seq, fut)
-            self._seq += 1
-            self._open.append(outcome.seq)
-            self._core.async_ops += 1
+        outcome = self._core.open_async(fut)
         mem = req.mem
         if req.nbytes == 0 or not mem.contiguous or mem.device == "cuda":
             # what goes through a contiguous copy (or cuFile, or is only an fsync): the sync
@@ -1569,14 +1291,12 @@ class AioHandle:
                 except BaseException as exc:
                     error = exc
                 self._release(req)
-                with self._lock:
-                    self._finished_locked(outcome, error)
-                fut._finish(done, error)
+                self._core.end(outcome, done, error)
             try:
                 self._stager.submit(staged)
             except BaseException:               # no thread could be started
-                with self._lock:
-                    self._finished_locked(outcome, None, counted=False)
+                self._core.end(outcome, 0, HandleClosedError("request was not submitted"),
+                               counted=False)
                 self._release(req)
                 raise
             return fut
@@ -1616,10 +1336,9 @@ class AioHandle:
         if token.post is not None:
             pinned.registry.unhold(token.post)
             token.post = None
-        with self._lock:
-            if token.outcome is not None:
-                self._finished_locked(token.outcome, None, counted=False)
-        token.fut._finish(0, HandleClosedError("request was not submitted"))
+        assert token.outcome is not None
+        self._core.end(token.outcome, 0, HandleClosedError("request was not submitted"),
+                       counted=False)
         self._release(token.req)
 
     def _finish_async(self, token: _Async, exc: BaseException | None = None) -> None:
@@ -1639,9 +1358,8 @@ class AioHandle:
         with self._lock:
             self._count_outcome(req.write, token.done, first is not None)
             self._core.leave(True)
-            if token.outcome is not None:
-                self._finished_locked(token.outcome, first)
-        fut._finish(token.done, first)
+        assert token.outcome is not None
+        self._core.end(token.outcome, token.done, first)
 
 
 _shared: AioHandle | None = None
@@ -1658,11 +1376,11 @@ def shared_handle() -> AioHandle:
     """
     global _shared
     h = _shared
-    if h is not None and not h._closed and h._generation == _fork_generation[0]:
+    if h is not None and not h._closed and h._generation == _aio.fork_generation():
         return h
     with _shared_lock:
         h = _shared
-        if h is None or h._closed or h._generation != _fork_generation[0]:
+        if h is None or h._closed or h._generation != _aio.fork_generation():
             if h is not None:
                 h._closed = True        # the parent's (after fork): nothing to free here
             h = _shared = AioHandle()
@@ -1671,14 +1389,13 @@ def shared_handle() -> AioHandle:
 
 def _close_shared() -> None:
     h = _shared
-    if h is not None and h._generation == _fork_generation[0]:
+    if h is not None and h._generation == _aio.fork_generation():
         h.close()
 
 
 atexit.register(_close_shared)
 
 
-_plan = _aio.plan       # (mode, edge bytes, middle bytes) of a contiguous host request
 
 
 def _integer(value: Any, what: str, file: Any) -> int:
@@ -1736,4 +1453,37 @@ def _copy_back(mem: Buffer, tmp: Any, n: int) -> None:
             np.copyto(arr, flat.reshape(arr.shape))
 
 
-_aio.front_setup(sys.modules[__name__], pinned)
+
+class _GeneralPath:
+    """What the engine's compiled path (``_aio.Core``) hands to Python: every request it
+    does not take, with the handle as the first argument (the Core keeps no reference to
+    its handle)."""
+
+    @staticmethod
+    def request(h: AioHandle, write: bool, buffer: Any, file: FileArg, offset: Any,
+                nbytes: Any, async_op: bool, fsync: bool) -> int | IOFuture:
+        return h._request(write, buffer, file, offset, nbytes, async_op, fsync)
+
+    @staticmethod
+    def short_file(h: AioHandle, file: FileArg, write: bool) -> AioFile | None:
+        return h._short_file(file, write)
+
+    @staticmethod
+    def many_slow(h: AioHandle, write: bool, buf: Any, file: FileArg, offset: Any,
+                  subs: list[_aio.Request]) -> _Queued | _Request:
+        return h._many_slow(write, buf, file, offset, subs)
+
+    @staticmethod
+    def many_finish_slow(h: AioHandle, q: _Queued | _Request) -> int:
+        return h._many_finish_slow(q)
+
+    @staticmethod
+    def abandon(h: AioHandle, queued: Sequence[_Queued | _ShortQueued | _Request]) -> None:
+        h._abandon(queued)
+
+    @staticmethod
+    def unpack(item: Sequence[Any]) -> tuple[Any, Any, Any]:
+        return AioHandle._many_unpack(item)
+
+
+_GENERAL = _GeneralPath()

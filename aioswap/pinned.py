@@ -592,6 +592,13 @@ class PinnedRegistry:
             rec.io += 1
         return rec, True
 
+    def engine_view(self) -> tuple[RangeIndex[_Range], threading.Lock, str]:
+        """What the engine reads per request without running Python (``aioswap._aio.Core``):
+        the index of locked host ranges (its immutable ``snap``), the lock that guards the
+        records' ``io`` counts, and the ``kind`` of records whose memory a hold pins. The
+        answers are the same as :meth:`io_hold` and :meth:`unhold` (a test compares)."""
+        return self._host, self._io_lock, _ALLOCATED
+
     def unhold(self, token: object) -> None:
         """Give back a hold from :meth:`hold`."""
         assert isinstance(token, _Range)

@@ -1205,31 +1205,31 @@ def test_cached_hit_finds_the_handles_file_by_fd_and_path(tmp_path: Path) -> Non
     p = tmp_path / "x.bin"
     p.write_bytes(b"x" * 4096)
     with aioswap.AioHandle() as h:
-        assert _aio.cached_hit(h, str(p), False) is None        # not open yet
+        assert h._core.cached_hit(str(p), False) is None        # not open yet
         h.pread(bytearray(4096), str(p))
-        (f,) = h._files.values()
+        (f,) = h._core.files.values()
         users = f._users
         for arg in (str(p), p, os.fsencode(p)):
-            assert _aio.cached_hit(h, arg, False) is f
+            assert h._core.cached_hit(arg, False) is f
             assert f._users == users + 1
             f.unuse()
         fd = os.open(p, os.O_RDONLY)
         try:
-            assert _aio.cached_hit(h, fd, False) is f
+            assert h._core.cached_hit(fd, False) is f
             f.unuse()
-            assert _aio.cached_hit(h, fd, True) is None         # a read-only fd
+            assert h._core.cached_hit(fd, True) is None         # a read-only fd
         finally:
             os.close(fd)
         fd = os.open(p, os.O_WRONLY | os.O_APPEND)
         try:
-            assert _aio.cached_hit(h, fd, True) is None         # O_APPEND
-            assert _aio.cached_hit(h, fd, False) is None        # write-only
+            assert h._core.cached_hit(fd, True) is None         # O_APPEND
+            assert h._core.cached_hit(fd, False) is None        # write-only
         finally:
             os.close(fd)
-        assert _aio.cached_hit(h, fd, False) is None            # closed now
+        assert h._core.cached_hit(fd, False) is None            # closed now
         for bad in (-1, 1 << 40, str(tmp_path), str(tmp_path / "missing"), "a\0b", 1.5, True,
                     None):
-            assert _aio.cached_hit(h, bad, False) is None
+            assert h._core.cached_hit(bad, False) is None
         assert f._users == users
 
 

@@ -1002,7 +1002,7 @@ def test_the_front_doors_look_up_answers_as_io_hold(reg: PinnedRegistry,
         for fresh in (True, False):             # right after a change (no snapshot yet)
             for addr, n in cases:
                 if fresh:
-                    reg._host._snap = None
+                    reg.engine_view()[0].snap = None
                 ours, want = _aio.io_hold(reg, addr, n), reg.io_hold(addr, n)
                 assert (ours[0] is want[0], ours[1]) == (True, want[1]), (addr, n)
                 tok = want[0]

@@ -116,7 +116,7 @@ def test_batched_requests_and_one_fsync_per_pack(tmp_dir: Path, monkeypatch) -> 
         assert (s2.reads - s1.reads, s2.async_ops - s1.async_ops) == (40, 40)
         # the swapper's files are the handle's own (h.open, adopt): not one path or fd
         # argument went through the handle's cache of the files behind them
-        assert not h._files
+        assert not h._core.files
         for k, v in sd.items():
             assert _bytes(got[k]) == _bytes(v)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,7 @@ def _private_imports(path: Path) -> list[str]:
 
 def _is_module(dotted: str) -> bool:
     rel = Path(*dotted.split("."))
-    return any((ROOT / rel).with_suffix(ext).exists() for ext in (".py", ".pyx")) or \
+    return any((ROOT / rel).with_suffix(ext).exists() for ext in (".py", ".pyx", ".pxd")) or \
         (ROOT / rel / "__init__.py").exists()
 
 
@@ -53,6 +54,86 @@ def test_private_import_check_catches_one(tmp_path: Path) -> None:
                                           "aioswap.handle._integer"]
     finally:
         fake.unlink()
+
+
+# ---- attribute reaches into another module's private names, in .py, .pyx and .pxi alike
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+# Third-party internals the package uses on purpose, each in one module, with the reason.
+_THIRD_PARTY = {
+    ("aioswap/_claims.py", "torch._C"),         # DisableTorchFunctionSubclass: torch's own API
+    ("aioswap/_future.py", "futures._base"),    # IOFuture: the one place for Future's states
+    ("aioswap/_tree.py", "result._metadata"),   # a state dict's metadata, as torch names it
+}
+
+
+def _units() -> list[tuple[str, list[Path]]]:
+    """Modules as the interpreter sees them: each .py, and each extension with its includes
+    (``_aio.pyx`` and ``_engine/*.pxi`` are one module)."""
+    out = [(p.relative_to(ROOT).as_posix(), [p]) for p in sorted(PACKAGE.rglob("*.py"))]
+    out.append(("aioswap/_aio.pyx", [PACKAGE / "_aio.pyx",
+                                     *sorted((PACKAGE / "_engine").glob("*.pxi"))]))
+    out.append(("aioswap/_cufile.pyx", [PACKAGE / "_cufile.pyx"]))
+    return out
+
+
+def _code_only(src: str) -> str:
+    """``src`` without comments and string literals (docstrings name private things)."""
+    out = re.sub(r'("""|\'\'\')(?:.|\n)*?\1', '""', src)
+    out = re.sub(r"#.*", "", out)
+    return re.sub(r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'', '""', out)
+
+
+def _own_private_names(src: str) -> set[str]:
+    """Private names a module defines: its functions, methods, C fields, class attributes,
+    slots, and whatever it sets or reads on ``self``."""
+    names = set(re.findall(r"\bself\.(_" + _IDENT + ")", src))
+    names |= set(re.findall(r"\b(?:def|cpdef|class)\s+(_" + _IDENT + r")\b", src))
+    names |= set(re.findall(r"^[ \t]*cdef\b[^\n(=]*?\b(_" + _IDENT + r")\s*\(", src, re.M))
+    names |= set(re.findall(r"^\s+(_" + _IDENT + r")\s*[:=]", src, re.M))
+    names |= set(re.findall(r"^\s+cdef\s+(?:public\s+|readonly\s+)?[\w .*]+?\b(_" + _IDENT
+                            + r")\b", src, re.M))
+    for slots in re.findall(r"__slots__\s*=\s*\(([^)]*)\)", src):
+        names |= set(re.findall(r'"(_' + _IDENT + ')"', slots))
+    return names
+
+
+def _private_reaches(unit: str, files: list[Path]) -> list[str]:
+    """``obj._name`` where ``_name`` is not one of this module's own private names (and
+    ``obj`` is not ``self``/``cls``): a reach into another module's or object's internals.
+    ``aioswap._layer`` (a private module of the package) is a layer, not a reach."""
+    src = _code_only("\n".join(f.read_text() for f in files))
+    mine = _own_private_names(src)
+    bad = []
+    for m in re.finditer(r"(\b" + _IDENT + r"|\))\.(_" + _IDENT + ")", src):
+        obj, name = m.group(1), m.group(2)
+        if obj in ("self", "cls") or name in mine or (name.startswith("__")
+                                                      and name.endswith("__")):
+            continue
+        if obj == "aioswap" and _is_module(f"aioswap.{name}"):
+            continue
+        if (unit, f"{obj}.{name}") in _THIRD_PARTY:
+            continue
+        bad.append(f"{unit}: {obj}.{name}")
+    return bad
+
+
+@pytest.mark.parametrize("unit", _units(), ids=lambda u: u[0])
+def test_no_private_reach_into_another_module(unit: tuple[str, list[Path]]) -> None:
+    """Also the engine: the compiled Core reads no handle, future or registry internals
+    (it is handed what it uses when it is made)."""
+    assert _private_reaches(*unit) == []
+
+
+def test_private_reach_check_catches_one(tmp_path: Path) -> None:
+    """The check above can fail: the reaches the compiled front door used to make."""
+    fake = tmp_path / "fake.pxi"
+    fake.write_text("cdef object _f(h, registry):\n"
+                    "    # h._not_this (a comment)\n"
+                    "    lanes = h._lanes\n"
+                    "    snap = registry._host.snap\n"
+                    "    return self._mine, (<Core>h)._seq, 'x._quoted'\n")
+    assert _private_reaches("fake.pxi", [fake]) == [
+        "fake.pxi: h._lanes", "fake.pxi: registry._host", "fake.pxi: )._seq"]
 
 
 @pytest.mark.slow      # CI's -m slow run keeps it (moved for a faster default run)

@@ -52,7 +52,7 @@ cdef class AioFile:
     cdef readonly uint64_t mem_align, off_align, piece
     cdef readonly Py_ssize_t _users         # requests in flight (tests read it)
     cdef readonly uint64_t uses             # requests ever counted on it (use/pin)
-    cdef object _handle, _inode, _device
+    cdef object _handle, _core, _inode, _device
     cdef int _fd
     cdef bint _owned, _closed
     cdef object __weakref__
@@ -62,8 +62,11 @@ cdef class AioFile:
         self._closed = True             # until __init__ has run: nothing to close
 
     def __init__(self, handle, int fd, str name, *, bint direct, bint readable,
-                 bint writable, st, inode, bint owned=True):
-        self._handle = handle
+                 bint writable, st, inode, bint owned=True, Core core=None):
+        if (handle is None) != (core is None):
+            raise ValueError("an AioFile has a handle and its Core, or neither")
+        self._handle = handle                   # what the general path is handed
+        self._core = core
         self.name = name
         self.direct = direct
         self.readable = readable
@@ -75,7 +78,8 @@ cdef class AioFile:
         self.block_device = S_ISBLK(st.st_mode)
         self._owned = owned
         self._device = None
-        self.piece = handle._block(self) if handle is not None else 0
+        self.piece = (core._piece(direct, self.off_align, self.mem_align) if core is not None
+                      else 0)
         self._fd = fd
         self._closed = False
         if owned:
@@ -168,13 +172,15 @@ cdef class AioFile:
         """Read into ``buffer`` at ``offset`` (see :meth:`aioswap.AioHandle.pread`)."""
         if self._handle is None:
             raise ValueError(f"{self.name} has no handle to run requests on")
-        return _request(self._handle, False, buffer, self, offset, nbytes, async_op, False)
+        return (<Core>self._core)._request(self._handle, False, buffer, self, offset, nbytes,
+                                             async_op, False)
 
     def pwrite(self, buffer, offset=0, *, nbytes=None, async_op=False, fsync=False):
         """Write ``buffer`` at ``offset`` (see :meth:`aioswap.AioHandle.pwrite`)."""
         if self._handle is None:
             raise ValueError(f"{self.name} has no handle to run requests on")
-        return _request(self._handle, True, buffer, self, offset, nbytes, async_op, fsync)
+        return (<Core>self._core)._request(self._handle, True, buffer, self, offset, nbytes,
+                                             async_op, fsync)
 
     def fsync(self):
         """Make the data and size written so far durable."""

@@ -161,10 +161,22 @@ pt.pthread_mutex_init(&_edge_mu, NULL)
 memset(_edges, 0, sizeof(_edges))
 
 
+# Bumped in a child after fork(): a handle (Core) or future made before it refuses to work
+# there (its lanes' threads and kernel contexts stayed in the parent). Cheaper than getpid().
+cdef long _fork_gen = 0
+
+
+def fork_generation():
+    """How many fork()s this process is away from the one that imported the engine (0 in
+    that one): what handles and futures compare against the generation they were made in."""
+    return _fork_gen
+
+
 def _after_fork_in_child():
     """A child starts with no requests: the edge table is empty and its mutex fresh (another
-    thread of the parent may have held it at fork())."""
-    global _self_pid
+    thread of the parent may have held it at fork()); the fork generation moves on."""
+    global _self_pid, _fork_gen
+    _fork_gen += 1
     pt.pthread_mutex_init(&_edge_mu, NULL)
     memset(_edges, 0, sizeof(_edges))
     ur.uring_after_fork_child()

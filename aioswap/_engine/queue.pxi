@@ -31,6 +31,7 @@ cdef class AioQueue:
     cdef int _busy                  # calls inside the queue with the GIL released (see _in)
     cdef str _backend
     cdef object _ring_owner
+    cdef object _host               # the registry's index of locked host ranges, or None
     cdef long _pid
     cdef object __weakref__
     cdef readonly str why
@@ -44,7 +45,7 @@ cdef class AioQueue:
         self._backend = "aio"
 
     def __init__(self, int depth, *, bint single_submit=False, bint overlap_events=True,
-                 str backend="auto"):
+                 str backend="auto", registry=None):
         cdef long ret
         cdef int e = 0
         cdef abi.aio_context_t ctx = 0
@@ -60,6 +61,8 @@ cdef class AioQueue:
             raise ValueError(f"queue depth must be in 1..{MAX_DEPTH}, got {depth}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        # io_uring registers the registry's allocations that are reused (_fix_at)
+        self._host = None if registry is None else registry.engine_view()[0]
         q = &self.q
         nslots = 2 * depth
         q.slots = <_Slot*>PyMem_RawMalloc(nslots * sizeof(_Slot))
@@ -205,9 +208,9 @@ cdef class AioQueue:
         go."""
         cdef LockedMemory m
         cdef int rc = -1, e = 0
-        if ur.uring_covers(self.q.uring, addr, n) or _f_pinned is None:
+        if ur.uring_covers(self.q.uring, addr, n) or self._host is None:
             return 0
-        rec = _rec_at(_f_pinned.registry, addr, n)
+        rec = _rec_at(self._host, addr, n)
         if rec is None or rec.ref is None:
             return 0
         mem = rec.ref()
@@ -656,6 +659,29 @@ cdef class AioQueue:
             _k_forget(&self.q)
         if self._ready:
             self._free_arrays()
+
+
+cdef void _forget_fixed(LockedMemory m) noexcept:
+    # m's pages are about to be unlocked and unmapped (or cached for reuse): unregister them
+    # from every ring that registered them. A ring would keep the old pages pinned, and I/O
+    # through it would reach them, not what a later mapping puts at the same address. The
+    # GIL is held throughout, so a queue seen open is not closed meanwhile; its mutex orders
+    # this against a reaper that finds the queue broken and destroys the ring.
+    cdef AioQueue q
+    rings = m._rings
+    m._rings = None
+    for use in rings:
+        obj = (<list>use)[0]()
+        if obj is None:
+            continue
+        q = <AioQueue>obj
+        if not q._ready or q._pid != getpid():
+            continue
+        pt.pthread_mutex_lock(&q.q.mu)
+        if q.q.uring != NULL:
+            ur.uring_unregister_buffer(q.q.uring, m._addr, m._mapped)
+        pt.pthread_mutex_unlock(&q.q.mu)
+
 
 
 def aio_available(str backend="aio"):
