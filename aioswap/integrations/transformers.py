@@ -89,15 +89,14 @@ class LoadStats:
 
 
 class _Stream:
-    """Every tensor of ``sources`` read on a background thread (``aioswap.safetensors``'s
-    stream), each handed over once, to whichever thread asks for it by name."""
+    """Every tensor of the shard ``files`` read on a background thread
+    (:func:`aioswap.safetensors.iter_checkpoint` of the list), each handed over once, to
+    whichever thread asks for it by name."""
 
-    def __init__(self, sources: Sequence[Any], window: Optional[int], read: Optional[str],
-                 ahead: Optional[int]) -> None:
-        dev, limit, window = _st._load_args("cpu", None, window, sources[0].path, read)
-        self._where = {name: (src, info) for src in sources
-                       for name, info in src.header.tensors.items()}
-        self._sources = list(sources)
+    def __init__(self, files: Sequence[str], headers: Sequence[_st.Header],
+                 window: Optional[int], read: Optional[str], ahead: Optional[int]) -> None:
+        self._where = {name: (path, info) for path, header in zip(files, headers)
+                       for name, info in header.tensors.items()}
         self._cv = threading.Condition()
         self._ready: dict[str, torch.Tensor] = {}
         self._seen: set[str] = set()          # handed over by the stream (taken or not)
@@ -107,7 +106,9 @@ class _Stream:
         self._error: Optional[BaseException] = None
         self._finished = False
         self._closing = False
-        self._gen = _st._stream(self._sources, dev, limit, window, read)
+        # every shard opened and its header checked here (errors name the file)
+        self._gen = _st.iter_checkpoint(list(files), "cpu", max_inflight_bytes=window,
+                                        read=read)
         self._thread = threading.Thread(target=self._run, name="aioswap-transformers",
                                         daemon=True)
         self._thread.start()
@@ -117,7 +118,7 @@ class _Stream:
             for name, t in self._gen:
                 with self._cv:
                     # a soft bound: the stream goes on whenever a taker waits for a tensor it
-                    # has not read yet (the taker's order is not the files' order)
+                    # has not read yet (the takers' order is not the files' order)
                     while (self._ahead is not None and self._held > self._ahead
                            and not self._waiting and not self._closing):
                         self._cv.wait()
@@ -132,7 +133,7 @@ class _Stream:
             with self._cv:
                 self._error = exc
         finally:
-            self._gen.close()             # waits for every read in flight
+            self._gen.close()             # waits for every read in flight, closes the files
             with self._cv:
                 self._finished = True
                 self._cv.notify_all()
@@ -143,7 +144,9 @@ class _Stream:
             while name not in self._ready:
                 if self._error is not None:
                     raise self._error
-                if name in self._seen or self._finished or self._closing:
+                if self._closing:       # a late job of a load that has ended (raised)
+                    raise RuntimeError(f"aioswap: the load that read {name!r} has ended")
+                if name in self._seen or self._finished:
                     break
                 self._waiting[name] = self._waiting.get(name, 0) + 1
                 self._cv.notify_all()
@@ -157,25 +160,25 @@ class _Stream:
             if t is not None:
                 self._held -= t.nbytes
                 self._cv.notify_all()
-                with _state_lock:
-                    _stats.tensors += 1
-                    _stats.bytes_read += t.nbytes
-                return t
-        return self._reread(name)
+        if t is None:
+            t = self._reread(name)
+        else:
+            with _state_lock:
+                _stats.tensors += 1
+                _stats.bytes_read += t.nbytes
+        return t
 
     def _reread(self, name: str) -> torch.Tensor:
-        src, info = self._where[name]
-        dtype, shape = src.types[name]
-        t = torch.empty(shape, dtype=dtype)
-        if info.nbytes:
-            src.file.pread(t.view(-1).view(torch.uint8), src.header.data_offset + info.begin)
+        path, _ = self._where[name]
+        with _st.safe_open(path) as f:
+            t = f.get_tensor(name)
         with _state_lock:
             _stats.rereads += 1
         return t
 
     def close(self) -> None:
-        """Stop reading, wait for the reads in flight, drop what was not taken, close the
-        files."""
+        """Stop reading, wait for the reads in flight, close the files, drop what was not
+        taken."""
         with self._cv:
             self._closing = True
             self._cv.notify_all()
@@ -183,8 +186,6 @@ class _Stream:
         with self._cv:
             self._ready.clear()
             self._held = 0
-        for src in self._sources:
-            src.file.close()
 
 
 class _Slice:
@@ -263,18 +264,10 @@ def _window(config: Any) -> Optional[int]:
     return None
 
 
-def _open(files: Sequence[Any]) -> list[Any]:
-    """Every shard opened and its header and dtypes checked (errors name the file)."""
-    h = None
-    sources: list[Any] = []
-    try:
-        for f in files:
-            sources.append(_st._open_source(os.fspath(f), h))
-    except BaseException:
-        for src in sources:
-            src.file.close()
-        raise
-    return sources
+def _headers(files: Sequence[Any]) -> tuple[list[str], list[_st.Header]]:
+    """Every shard's path and checked header (errors name the file)."""
+    paths = [os.fspath(f) for f in files]
+    return paths, [_st.read_header(p) for p in paths]
 
 
 def _load_pretrained_model(*args: Any, **kwargs: Any) -> Any:
@@ -298,19 +291,20 @@ def _load_pretrained_model(*args: Any, **kwargs: Any) -> Any:
             _stats.stock_loads += 1
         _log.debug("aioswap: from_pretrained left to transformers: %s", why)
         return fn(*args, **kwargs)
-    sources = _open(files)
+    assert files is not None
+    paths, headers = _headers(files)
     window = _window(config)
-    stream = _Stream(sources, window, _read, window)
+    stream = _Stream(paths, headers, window, _read, window)
     try:
         lazy: dict[str, Any] = {}
-        for src in sources:
-            for name, info in src.header.tensors.items():
+        for header in headers:
+            for name, info in header.tensors.items():
                 lazy[name] = _Slice(stream, name, info)
         with _state_lock:
             _stats.loads += 1
-            _stats.files += len(sources)
+            _stats.files += len(paths)
         _log.debug("aioswap: from_pretrained reads %d file(s), %d tensors, through aioswap "
-                   "(read=%s)", len(sources), len(lazy), _read or "default")
+                   "(read=%s)", len(paths), len(lazy), _read or "default")
         bound.arguments["state_dict"] = lazy
         return fn(*bound.args, **bound.kwargs)
     finally:
