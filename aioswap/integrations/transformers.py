@@ -10,8 +10,8 @@ memory-mapping them::
 Nothing else changes: the same model, the same parameters bit for bit (so the same logits),
 the same errors for missing or unexpected keys, the same dtype casts and device placement.
 
-How it reads
-------------
+Reading the shards
+------------------
 transformers 5 opens every shard with ``safetensors.safe_open`` (a memory mapping), hands
 its loading code one lazy slice per tensor, and copies each one out of the mapping when the
 parameter is built (page faults, 4 KiB at a time, on a few threads). Here the hook is
@@ -31,8 +31,8 @@ On the CPU the tensors become the parameters as they are (no copy when the dtype
 checkpoint's). For other devices (``device_map`` with GPUs) the tensors are staging: at most
 1 GiB of them is read ahead of what transformers has taken.
 
-When stock is kept
-------------------
+Calls left to stock
+-------------------
 The hook hands the call on unchanged (logged at DEBUG with the reason; counted in
 :func:`stats`) when transformers would not memory-map the shards or the load needs more than
 plain tensors: a ``state_dict`` given, ``.bin`` checkpoints, ``disable_mmap`` or an hf-mount
