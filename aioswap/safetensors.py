@@ -48,6 +48,9 @@ links there are followed), and every tensor must be in exactly one shard, the on
 weight map names. Then all shards stream through one handle as one sequence of groups
 (shards in file name order), so their reads are in flight together; the dict
 :func:`load_checkpoint` returns is in weight-map order.
+Both also take a list of shard files (what ``transformers`` resolves a checkpoint to): each
+header checked the same way, a tensor in two of the files refused, the files read in the
+order given.
 
 Writing: the header (compact JSON, spaces up to a multiple of 8 bytes, tensors ordered by
 dtype alignment then name: the bytes ``safetensors`` writes) and the tensors' bytes are staged
@@ -834,10 +837,23 @@ def _check_index(index: str, weight_map: Mapping[str, str], sources: Sequence[_S
                        f"holds it")
 
 
-def _open_checkpoint(path: str, handle: AioHandle | None
+def _given_files(path: PathLike | Sequence[PathLike]) -> str | list[str]:
+    """A checkpoint's path, or the list of shard files given in its place."""
+    if isinstance(path, (str, bytes, os.PathLike)):
+        return os.fspath(path)
+    files = [os.fspath(f) for f in path]
+    if not files:
+        raise ValueError("no safetensors files given")
+    return files
+
+
+def _open_checkpoint(path: str | list[str], handle: AioHandle | None
                      ) -> tuple[list[_Source], Mapping[str, Any]]:
     """The checkpoint's shards, opened and checked (headers, dtypes, index), and the order
-    of its tensors (the weight map's, or the one file's header's)."""
+    of its tensors (the weight map's, the one file's header's, or the files' headers' in the
+    order given)."""
+    if isinstance(path, list):
+        return _open_files(path, handle)
     index, weight_map, files = _checkpoint_files(path)
     h = shared_handle() if handle is None else handle
     sources: list[_Source] = []
@@ -861,22 +877,48 @@ def _open_checkpoint(path: str, handle: AioHandle | None
         raise
 
 
-def iter_checkpoint(path: PathLike, device: str | int | torch.device = "cpu", *,
+def _open_files(files: list[str], handle: AioHandle | None
+                ) -> tuple[list[_Source], Mapping[str, Any]]:
+    """Shard files given as a list, opened and checked; a tensor in two of them is refused."""
+    h = shared_handle() if handle is None else handle
+    sources: list[_Source] = []
+    order: dict[str, str] = {}
+    try:
+        for f in files:
+            src = _open_source(f, h)
+            sources.append(src)
+            for name in src.header.tensors:
+                if name in order:
+                    raise SafetensorsError(f"tensor {name!r} is in more than one of the files "
+                                           f"given: {order[name]!r} and {f!r}", path=f)
+                order[name] = f
+        return sources, order
+    except BaseException:
+        for src in sources:
+            src.file.close()
+        raise
+
+
+def iter_checkpoint(path: PathLike | Sequence[PathLike],
+                    device: str | int | torch.device = "cpu", *,
                     handle: AioHandle | None = None, max_pinned_bytes: int | None = None,
                     max_inflight_bytes: int | None = None, read: str | None = None
                     ) -> Generator[tuple[str, torch.Tensor], None, None]:
     """Yield ``(name, tensor)`` for every tensor of a (sharded) checkpoint as its bytes land.
 
-    Shards in file name order, each shard's tensors in file order (as :func:`iter_file`).
+    Shards in file name order (a list: in its order), each shard's tensors in file order (as
+    :func:`iter_file`).
     The reads of every shard go through one handle and are submitted one after the other
     without waiting, so all shards are in flight together.
 
     Parameters
     ----------
-    path : str or os.PathLike
+    path : str, os.PathLike, or a sequence of them
         A directory holding ``model.safetensors.index.json`` (the Hugging Face layout that
         :func:`save_sharded` and ``save_pretrained`` write) or, without one,
-        ``model.safetensors``; or an index file (``*.json``); or one safetensors file.
+        ``model.safetensors``; or an index file (``*.json``); or one safetensors file; or a
+        list of safetensors files, read as the shards of one checkpoint in the order given
+        (no index: a tensor in two of them is refused).
     device, handle, max_pinned_bytes, max_inflight_bytes, read
         As for :func:`iter_file`; the page-locked budget and the window are for the whole
         checkpoint.
@@ -896,9 +938,10 @@ def iter_checkpoint(path: PathLike, device: str | int | torch.device = "cpu", *,
         the weight map says, in a shard but not in the weight map, in the weight map but in
         no shard, or in two shards.
     FileNotFoundError
-        ``path`` does not exist, or is a directory with neither file.
+        ``path`` (or a file of the list) does not exist, or is a directory with neither
+        file.
     OSError, ShortReadError, RuntimeError, ValueError
-        As for :func:`iter_file`.
+        As for :func:`iter_file`; ValueError also for an empty list.
 
     Notes
     -----
@@ -906,20 +949,22 @@ def iter_checkpoint(path: PathLike, device: str | int | torch.device = "cpu", *,
     followed (:func:`save_sharded` links shards on other drives so). Leaving early waits for
     every read in flight, then closes every shard.
     """
-    p = os.fspath(path)
-    dev, limit, window = _load_args(device, max_pinned_bytes, max_inflight_bytes, p, read)
+    p = _given_files(path)
+    where = p if isinstance(p, str) else p[0]
+    dev, limit, window = _load_args(device, max_pinned_bytes, max_inflight_bytes, where, read)
     return _started(_owned_stream(lambda: _open_checkpoint(p, handle)[0], dev, limit,
                                   window, read))
 
 
-def load_checkpoint(path: PathLike, device: str | int | torch.device = "cpu", *,
+def load_checkpoint(path: PathLike | Sequence[PathLike],
+                    device: str | int | torch.device = "cpu", *,
                     handle: AioHandle | None = None, max_pinned_bytes: int | None = None,
                     read: str | None = None) -> dict[str, torch.Tensor]:
     """Load every tensor of a (sharded) checkpoint in one call, all shards read together.
 
     Parameters
     ----------
-    path : str or os.PathLike
+    path : str, os.PathLike, or a sequence of them
         As for :func:`iter_checkpoint`.
     device, handle, max_pinned_bytes, read
         As for :func:`load_file`, for the whole checkpoint.
@@ -927,16 +972,17 @@ def load_checkpoint(path: PathLike, device: str | int | torch.device = "cpu", *,
     Returns
     -------
     dict of str to torch.Tensor
-        Names in the weight map's order (the header's for a checkpoint of one file); the
-        tensors are those :func:`iter_checkpoint` yields, like :func:`load_file`'s.
+        Names in the weight map's order (the header's for a checkpoint of one file, the
+        headers' in the order given for a list of files); the tensors are those :func:`iter_checkpoint` yields, like :func:`load_file`'s.
 
     Raises
     ------
     SafetensorsError, FileNotFoundError, OSError, ShortReadError, RuntimeError
         As for :func:`iter_checkpoint`; every check is made before any data is read.
     """
-    p = os.fspath(path)
-    dev, limit, window = _load_args(device, max_pinned_bytes, None, p, read)
+    p = _given_files(path)
+    where = p if isinstance(p, str) else p[0]
+    dev, limit, window = _load_args(device, max_pinned_bytes, None, where, read)
     sources, order = _open_checkpoint(p, handle)
     try:
         got = dict(_stream(sources, dev, limit, window, read))

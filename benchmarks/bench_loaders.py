@@ -27,20 +27,31 @@ fastsafetensors-b   the same with ``FASTSAFETENSORS_ODIRECT=0`` (buffered reads)
 runai               ``SafetensorsStreamer`` (runai-model-streamer), tensors kept
 pread4              reference: 4 threads ``pread`` 8 MiB pieces into prefaulted memory
 fio                 reference, cold only: fio 8 MiB O_DIRECT reads, iodepth 64, one job
+hf-stock            transformers ``AutoModelForCausalLM.from_pretrained`` of a local
+                    Llama checkpoint in 4 shards (bf16, ``--hf-size``), stock
+hf-aioswap          the same after ``aioswap.integrations.transformers.install()``
 ==================  =================================================================
+
+The two ``hf-`` loaders time what a user waits for: ``from_pretrained`` (config, model
+built, every shard read, parameters set) and one touch of every page of the parameters;
+importing transformers and ``install()`` are off the clock. The checkpoint is written once by
+``save_pretrained`` (random weights); once, before the rounds, a worker loads it both ways
+and compares every parameter and the logits on a fixed input with ``torch.equal``
+(``from_pretrained.logits_equal`` in the JSON; the bench fails if they differ).
 
 Rounds interleave the loaders (the order rotated each round). Per loader: GB/s (10^9 B/s),
 median and range; CPU seconds per GB (user + system, every thread); peak RSS over the
 process's RSS before the load (the largest of the rounds). Ratios of
 aioswap to the best peer that returns memory the caller owns (all but ``safetensors``, whose
 tensors map the file) and to fio (cold) or pread4 (warm) are the medians of the per-round
-ratios. ``--json`` prints one object.
+ratios (``hf-aioswap`` to ``hf-stock`` only). ``--json`` prints one object.
 
     python benchmarks/bench_loaders.py --dir /nvme --size 2G --repeat 5
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -56,11 +67,14 @@ from _common import dir_arg, drop_cache, format_size, orders, print_table, run_f
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEERS = ("tensorizer", "fastsafetensors", "fastsafetensors-b", "runai", "torch")
+HF = ("hf-stock", "hf-aioswap")  # from_pretrained of a sharded checkpoint (its own bytes)
 ALL = ("aioswap", "aioswap-direct", "aioswap-buffered", "aioswap-sharded", "aioswap-swap",
-       "safetensors", *PEERS, "pread4", "fio")
+       "safetensors", *PEERS, "pread4", "fio", *HF)
 MAPPED = ("safetensors",)       # returns a mapping of the file, not memory the caller owns
 OURS = ("aioswap", "aioswap-direct", "aioswap-buffered", "aioswap-sharded", "aioswap-swap")
 REFERENCE = ("pread4", "fio")
+HF_SHARDS = 4
+HF_IDS = [[1, 7, 42, 3, 99, 12, 5, 8]]
 
 
 def shapes(size: int) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -93,8 +107,63 @@ def make_state(size: int) -> dict[str, Any]:
     return sd
 
 
+def hf_config(size: int) -> Any:
+    """A Llama config whose bf16 weights take about ``size`` bytes (untied embeddings)."""
+    from transformers import LlamaConfig
+    hidden = 1024 if size >= 256 << 20 else 512 if size >= 32 << 20 else 256
+    vocab, inter = 16 * hidden, 11 * hidden // 4
+    per_layer = 2 * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden)
+    layers = max(2, round((size - 2 * 2 * vocab * hidden) / per_layer))
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                       num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                       num_key_value_heads=hidden // 64, max_position_embeddings=256,
+                       tie_word_embeddings=False, dtype="bfloat16")
+
+
+def _shard_bytes(sizes: list[int], shards: int) -> int:
+    """The smallest ``max_shard_size`` (within 1%) that makes ``save_pretrained`` (huggingface_hub's
+    next-fit split over tensors of ``sizes`` bytes, in order) write at most ``shards`` files."""
+    def count(most: int) -> int:
+        n = cur = 0
+        for t in sizes:
+            if t > most:                # a tensor over the limit: a shard of its own
+                n += 1
+                continue
+            if cur + t > most:
+                n, cur = n + 1, 0
+            cur += t
+        return n + (cur > 0)
+    most = -(-sum(sizes) // shards)
+    while count(most) > shards:
+        most += most // 100 + 1
+    return most
+
+
+def make_hf(d: str, size: int) -> dict[str, Any]:
+    """A random bf16 Llama of about ``size`` bytes saved by ``save_pretrained`` in about
+    four shards at ``d``; what was written."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(size), dtype=torch.bfloat16)
+    model.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(0)
+    total = 0
+    with torch.no_grad():
+        for prm in model.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g) * 0.02)
+            total += prm.numel() * prm.element_size()
+    sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
+    model.save_pretrained(d, max_shard_size=_shard_bytes(sizes, HF_SHARDS))
+    shards = [f for f in os.listdir(d) if f.endswith(".safetensors")]
+    return {"bytes": total, "shards": len(shards),
+            "layers": model.config.num_hidden_layers, "hidden": model.config.hidden_size}
+
+
 def available(name: str) -> bool:
     import importlib.util
+    if name in HF:
+        return importlib.util.find_spec("transformers") is not None
     mod = {"tensorizer": "tensorizer", "fastsafetensors": "fastsafetensors",
            "fastsafetensors-b": "fastsafetensors", "runai": "runai_model_streamer",
            "safetensors": "safetensors"}.get(name)
@@ -106,12 +175,24 @@ def available(name: str) -> bool:
     return mod is None or importlib.util.find_spec(mod) is not None
 
 
-def prepare(d: str, size: int, names: list[str]) -> dict[str, str]:
-    """Write the state dict in every format needed; the paths by loader."""
+def prepare(d: str, size: int, names: list[str], hf_size: int,
+            hf_info: dict[str, Any]) -> dict[str, str]:
+    """Write the state dict in every format needed (and the Hugging Face checkpoint, its
+    facts into ``hf_info``); the paths by loader."""
     import torch
     from safetensors.torch import save_file
-    sd = make_state(size)
     paths: dict[str, str] = {}
+    if any(n in HF for n in names):
+        hf_dir = os.path.join(d, "hf")
+        # importing transformers may print (DeepSpeed's accelerator note): not into --json
+        with contextlib.redirect_stdout(sys.stderr):
+            hf_info.update(make_hf(hf_dir, hf_size))
+        for n in HF:
+            paths[n] = hf_dir
+        if all(n in HF for n in names):
+            os.sync()
+            return paths
+    sd = make_state(size)
     st = os.path.join(d, "model.safetensors")
     save_file(sd, st)
     for n in ("aioswap", "aioswap-direct", "aioswap-buffered", "safetensors",
@@ -181,6 +262,10 @@ def _touch(tensors: Any) -> int:
 
 def _load(name: str, path: str) -> int:
     """Load ``path`` with loader ``name`` and touch every page; bytes loaded."""
+    if name in HF:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(path)
+        return _touch(model.state_dict().values())
     if name.startswith("aioswap") and name != "aioswap-swap":
         import aioswap.safetensors as ast
         if name == "aioswap-sharded":
@@ -233,11 +318,44 @@ def _load(name: str, path: str) -> int:
     raise ValueError(name)
 
 
+def hf_check(path: str) -> None:
+    """Load the checkpoint stock, then through aioswap; print whether every parameter and
+    the logits on a fixed input are ``torch.equal``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import aioswap.integrations.transformers as aioswap_hf
+    ids = torch.tensor(HF_IDS)
+    out = {}
+    for how in ("stock", "aioswap"):
+        if how == "aioswap":
+            aioswap_hf.install()
+        model = AutoModelForCausalLM.from_pretrained(path)
+        with torch.no_grad():
+            out[how] = (model.state_dict(), model(ids).logits)
+    assert aioswap_hf.stats().loads == 1, aioswap_hf.stats()
+    (sa, la), (sb, lb) = out["stock"], out["aioswap"]
+    print(json.dumps({"logits_equal": bool(torch.equal(la, lb)),
+                      "params_equal": list(sa) == list(sb) and all(
+                          torch.equal(sa[k], sb[k]) for k in sa)}))
+
+
 def worker(name: str, path: str) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")        # a local checkpoint: never the hub
+    if name == "hf-check":
+        hf_check(path)
+        return
     if name == "fastsafetensors-b":
         os.environ["FASTSAFETENSORS_ODIRECT"] = "0"
     import torch  # noqa: F401  (imports off the clock)
     import aioswap.safetensors  # noqa: F401
+    if name in HF:       # both: transformers' lazy modules for a Llama imported off the clock
+        import transformers.modeling_utils  # noqa: F401
+        import transformers.models.llama.modeling_llama  # noqa: F401
+        from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: F401
+        if name == "hf-aioswap":
+            import aioswap.integrations.transformers as aioswap_hf
+            aioswap_hf.install()
     for mod in {"tensorizer": "tensorizer", "runai": "runai_model_streamer",
                 "safetensors": "safetensors.torch"}.items():
         if name == mod[0]:
@@ -249,6 +367,9 @@ def worker(name: str, path: str) -> None:
     t0 = time.perf_counter()
     n = _load(name, path)
     dt = time.perf_counter() - t0
+    if name == "hf-aioswap":            # measured what it says: the shards went through aioswap
+        st = aioswap_hf.stats()
+        assert st.loads == 1 and st.stock_loads == 0, st
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     # VmHWM: this process's peak (ru_maxrss would carry the parent's over fork + exec)
@@ -288,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="cold,warm", help="cold, warm or both (default)")
     p.add_argument("--loaders", default=",".join(ALL), help="comma-separated, of: "
                    + ", ".join(ALL))
+    p.add_argument("--hf-size", type=size_arg(1 << 20), default=None,
+                   help="bytes of the from_pretrained checkpoint (default: --size; the "
+                   "issue's is >= 1G)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     if args.worker:
@@ -306,9 +430,20 @@ def main(argv: list[str] | None = None) -> int:
     skipped = [n for n in wanted if n not in names]
     work = tempfile.mkdtemp(prefix=".aioswap-bench-loaders-", dir=args.dir or ".")
     progress = sys.stderr.isatty() and not args.json
+    hf_info: dict[str, Any] = {}
     try:
-        paths = prepare(work, args.size, names)
+        paths = prepare(work, args.size, names, args.hf_size or args.size, hf_info)
         nbytes = os.path.getsize(paths["aioswap"]) if "aioswap" in paths else args.size
+        if "hf-aioswap" in names:           # logits compared once, before the rounds
+            r = subprocess.run([sys.executable, __file__, "--worker", "hf-check",
+                                paths["hf-aioswap"]], capture_output=True, text=True,
+                               timeout=1800)
+            if r.returncode:
+                raise RuntimeError(f"hf-check: {r.stderr.strip()[-2000:]}")
+            hf_info.update(json.loads(r.stdout.strip().splitlines()[-1]))
+            if not (hf_info["logits_equal"] and hf_info["params_equal"]):
+                raise RuntimeError(f"from_pretrained through aioswap differs from stock: "
+                                   f"{hf_info}")
         res: dict[str, dict[str, list[dict[str, float]]]] = {m: {} for m in modes}
         for rnd, order in enumerate(orders(names, args.repeat)):
             for mode in modes:
@@ -326,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     doc: dict[str, Any] = {"size": nbytes, "repeat": args.repeat, "skipped": skipped,
                            "modes": {}}
+    if hf_info:
+        doc["from_pretrained"] = hf_info
     for mode in modes:
         figs = res[mode]
         table = {n: {"gbps": statistics.median(r["gbps"] for r in runs),
@@ -334,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
                      "cpu_s_per_gb": statistics.median(r["cpu_s_per_gb"] for r in runs),
                      "peak_rss": max(r["rss"] for r in runs),
                      "rounds": [r["gbps"] for r in runs]} for n, runs in figs.items()}
-        peers = [n for n in figs if n not in OURS and n not in REFERENCE and n not in MAPPED]
+        peers = [n for n in figs if n not in OURS and n not in REFERENCE and n not in MAPPED
+                 and n not in HF]
         ratios: dict[str, Any] = {}
         for ours in [n for n in OURS if n in figs]:
             per = {}
@@ -347,12 +485,19 @@ def main(argv: list[str] | None = None) -> int:
                     figs[ours][i]["gbps"] / max(figs[q][i]["gbps"] for q in peers)
                     for i in range(args.repeat))
             ratios[ours] = per
+        if all(n in figs for n in HF):
+            ratios["hf-aioswap"] = {"hf-stock": statistics.median(
+                a["gbps"] / b["gbps"] for a, b in zip(figs["hf-aioswap"], figs["hf-stock"]))}
         doc["modes"][mode] = {"loaders": table, "ratios": ratios}
     if args.json:
         print(json.dumps(doc, indent=1, sort_keys=True))
         return 0
     print(f"state dict of {format_size(nbytes)}, {args.repeat} rounds, loaders interleaved; "
           f"each load a fresh process, every page touched")
+    if hf_info:
+        print(f"from_pretrained (hf-*): Llama of {format_size(hf_info['bytes'])} bf16, "
+              f"{hf_info['layers']} layers, {hf_info['shards']} shards; logits equal to "
+              f"stock: {hf_info.get('logits_equal', '-')}")
     for mode in modes:
         t = doc["modes"][mode]["loaders"]
         rows = [[n, f"{v['gbps']:.2f} [{v['gbps_min']:.2f}-{v['gbps_max']:.2f}]",

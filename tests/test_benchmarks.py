@@ -242,6 +242,13 @@ def test_bench_loaders(tmp_dir: Path) -> None:
         assert ("fio" in m["loaders"]) == (mode == "cold" and shutil.which("fio") is not None)
     for peer in ("tensorizer", "fastsafetensors", "runai"):
         assert (peer in doc["modes"]["cold"]["loaders"]) != (peer in doc["skipped"])
+    if "hf-aioswap" not in doc["skipped"]:      # transformers installed: from_pretrained rows
+        hf = doc["from_pretrained"]
+        assert hf["logits_equal"] and hf["params_equal"] and hf["shards"] >= 3, hf
+        for mode, m in doc["modes"].items():
+            for name in ("hf-stock", "hf-aioswap"):
+                assert m["loaders"][name]["gbps"] > 0, (mode, name)
+            assert m["ratios"]["hf-aioswap"]["hf-stock"] > 0
     assert list(tmp_dir.iterdir()) == []
 
 

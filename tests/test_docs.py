@@ -27,7 +27,8 @@ PUBLIC_MODULES = [
     "aioswap", "aioswap.errors", "aioswap.handle", "aioswap.pinned", "aioswap.config",
     "aioswap.swap", "aioswap.stream", "aioswap.gds", "aioswap.safetensors", "aioswap.dcp",
     "aioswap.compat.deepnvme", "aioswap.compat.deepspeed", "aioswap.integrations.accelerate",
-    "aioswap.integrations.diffusers", "aioswap.stripe", "aioswap.cli", "aioswap.tune",
+    "aioswap.integrations.diffusers", "aioswap.integrations.transformers",
+    "aioswap.stripe", "aioswap.cli", "aioswap.tune",
     "aioswap.tune.points", "aioswap.tune.search", "aioswap.tune.measure",
     "aioswap.tune.results", "aioswap.tune.report",
 ]
