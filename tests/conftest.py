@@ -26,9 +26,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # The default run is spread over worker processes (pytest-xdist: ``-n`` in pyproject's
 # addopts). A test marked ``alone`` reads or takes state the whole machine shares (fs.aio-nr,
-# every AIO context of the system), so it runs while no other test of the run does: every
-# test holds a shared lock on a file of the run, an ``alone`` test an exclusive one. The gate
-# lock in front keeps the workers' back-to-back tests from starving a waiting ``alone`` test.
+# every AIO context of the system) or times itself, so it runs while no other test of the
+# run does: every test holds a shared lock on a file of the run, an ``alone`` test an
+# exclusive one. The gate lock in front keeps the workers' back-to-back tests from starving
+# a waiting ``alone`` test.
 _LOCKS: dict[str, IO[bytes]] = {}
 
 
