@@ -44,6 +44,11 @@ def _run_lock(config: pytest.Config, name: str) -> IO[bytes] | None:
     return _LOCKS[name]
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    while _LOCKS:
+        _LOCKS.popitem()[1].close()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None
                             ) -> Generator[None, None, None]:
