@@ -1,11 +1,13 @@
 """Shared fixtures: kept small on purpose; each test module builds what else it needs."""
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -20,6 +22,53 @@ def pytest_configure(config: pytest.Config) -> None:
     if _memlock_room() is not None:
         config.addinivalue_line("filterwarnings",
                                 "ignore::aioswap.errors.PinnedMemoryWarning")
+
+
+# The default run is spread over worker processes (pytest-xdist: ``-n`` in pyproject's
+# addopts). A test marked ``alone`` reads or takes state the whole machine shares (fs.aio-nr,
+# every AIO context of the system) or times itself, so it runs while no other test of the
+# run does: every test holds a shared lock on a file of the run, an ``alone`` test an
+# exclusive one. The gate lock in front keeps the workers' back-to-back tests from starving
+# a waiting ``alone`` test.
+_LOCKS: dict[str, IO[bytes]] = {}
+
+
+def _run_lock(config: pytest.Config, name: str) -> IO[bytes] | None:
+    """One lock file shared by the workers of this run; None when the run has no workers."""
+    if not hasattr(config, "workerinput"):
+        return None
+    if name not in _LOCKS:
+        # each worker's base temp is <run's base temp>/gwN: the parent is the run's
+        base = config._tmp_path_factory.getbasetemp().parent  # type: ignore[attr-defined]
+        _LOCKS[name] = open(base / f"aioswap-{name}.lock", "ab")
+    return _LOCKS[name]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    while _LOCKS:
+        _LOCKS.popitem()[1].close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None
+                            ) -> Generator[None, None, None]:
+    run, gate = _run_lock(item.config, "run"), _run_lock(item.config, "gate")
+    if run is None or gate is None:
+        yield
+        return
+    alone = item.get_closest_marker("alone") is not None
+    fcntl.flock(gate, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(run, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    finally:
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+    try:
+        yield                                   # setup, call and teardown of the test
+    finally:
+        fcntl.flock(run, fcntl.LOCK_UN)
+        if alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 # Tests that need O_DIRECT must run on a real disk. pytest's tmp_path is fine where /tmp is

@@ -861,6 +861,7 @@ def _aio_nr_back_to(baseline: int, timeout: float = 10.0) -> int:
     return now
 
 
+@pytest.mark.alone      # fs.aio-nr counts every process's AIO contexts
 def test_no_leaks_after_10000_operations(tmp_dir, align):
     path = tmp_dir / "f.bin"
     data = os.urandom(MiB)
@@ -908,6 +909,7 @@ def test_no_leaks_after_10000_operations(tmp_dir, align):
 
 
 @pytest.mark.slow
+@pytest.mark.alone      # fs.aio-nr counts every process's AIO contexts
 def test_no_leaks_after_many_queues():
     gc.collect()
     fds, rings, nr, tasks = _open_fds(), _aio_rings(), _aio_nr(), _tasks()

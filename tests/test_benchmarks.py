@@ -132,6 +132,7 @@ def test_gpu_check(tmp_dir: Path) -> None:
     assert list(tmp_dir.iterdir()) == []
 
 
+@pytest.mark.slow      # importing transformers in its process: 30-45 s on 2 cores
 def test_bench_hf_offload(tmp_dir: Path) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")

@@ -60,7 +60,11 @@ def test_install_is_a_noop_without_deepspeed(monkeypatch):
     if ads.installed():
         pytest.skip("the integration is active in this process (AIOSWAP_DEEPSPEED=1)")
     before = list(sys.meta_path)
-    monkeypatch.setitem(sys.modules, "deepspeed", None)   # find_spec() now says: absent
+    # absent: find_spec() says so, and no module of it is loaded (accelerate's disk offload,
+    # tested in this process too, imports deepspeed's op builders where it is installed)
+    for name in [m for m in sys.modules if m.startswith(("deepspeed.", "op_builder"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
     assert ads.install() is False
     assert not ads.installed() and sys.meta_path == before
     ads.uninstall()                                       # idempotent, nothing to undo

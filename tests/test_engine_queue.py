@@ -647,6 +647,7 @@ def test_grid_against_os(tmp_path: Path, kind: str, write: bool) -> None:
     assert case == len(SIZES) * len(OFFSETS) * 2
 
 
+@pytest.mark.alone      # takes every AIO context of the machine while it runs
 def test_auto_backend_falls_back_to_threads_when_io_setup_is_refused(
         tmp_path: Path, backend: str) -> None:
     """With io_uring refused and every AIO context of the system taken (fs.aio-max-nr), a

@@ -464,6 +464,7 @@ _SIGINT_CHILD = """
 """
 
 
+@pytest.mark.alone      # timing: its locked-bytes baseline moved when another test ran beside it
 @pytest.mark.parametrize("where", ["step", "wait"])
 def test_ctrl_c_mid_loop(tmp_dir: Path, where: str) -> None:
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(_SIGINT_CHILD),

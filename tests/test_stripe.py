@@ -154,6 +154,7 @@ def test_views_async_and_wait(tmp_path: Path) -> None:
         f.fsync()
 
 
+@pytest.mark.alone      # timing: a drive 50 ms slower takes few units (busy CPUs blur it)
 def test_dynamic_units_follow_the_free_drive(tmp_path: Path) -> None:
     """Units of one write go to whichever drive finishes first; the map records it, so a
     reopened file reads them back even when the slots are not the round-robin ones."""
@@ -445,6 +446,7 @@ def test_parts_on_one_device_share_units_evenly(tmp_path: Path) -> None:
             assert (out == data).all()
 
 
+@pytest.mark.alone      # timing: a drive 50 ms slower takes few units (busy CPUs blur it)
 def test_many_one_unit_requests_favour_the_fast_drives(tmp_path: Path) -> None:
     """Many concurrent one-unit writes: the file's queue hands each new unit to the drive
     free first, so a slow drive takes few units instead of its round-robin share."""
