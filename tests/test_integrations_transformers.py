@@ -4,6 +4,7 @@ reads through aioswap, names the file that is wrong, and uninstall() gives the s
 back (the very object)."""
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import shutil
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 import aioswap.integrations.transformers as it
+from aioswap.tune import drop_cache
 from aioswap import safetensors as ast
 from aioswap.errors import ShortReadError
 
@@ -59,7 +61,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str
 
 
 @pytest.fixture(autouse=True)
-def _uninstalled() -> Iterator[None]:
+def _uninstalled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # these tiny checkpoints are always in the page cache, which read="auto" leaves to
+    # transformers' mapping: off here, tested by test_cached_checkpoint_left_to_stock
+    monkeypatch.setattr(it, "_CACHED_SHARE", None)
     it.uninstall()
     yield
     it.uninstall()
@@ -354,3 +359,30 @@ def test_import_and_install_without_transformers(tmp_path: Path) -> None:
                           env=env, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert "ERR" in done.stdout and "pip install transformers" in done.stdout
+
+
+def test_cached_checkpoint_left_to_stock(checkpoints: dict[tuple[str, str], Path],
+                                         monkeypatch: pytest.MonkeyPatch,
+                                         spy: list[list[str]]) -> None:
+    """read="auto": a checkpoint the page cache holds goes to transformers' mapping (no
+    copy); once its pages are dropped, aioswap reads it; a forced mode always reads."""
+    path = checkpoints["sharded", "bf16"]
+    files = sorted(path.glob("*.safetensors"))
+    stock = copy.deepcopy(_load(path))             # its own memory: the files unmapped
+    gc.collect()
+    monkeypatch.setattr(it, "_CACHED_SHARE", 0.9)
+    for f in files:                                 # cached: just read
+        f.read_bytes()
+    it.install()
+    _assert_same(_load(path), stock)
+    assert it.stats().loads == 0 and it.stats().stock_loads == 1 and spy == []
+    gc.collect()                                    # (the model above mapped them)
+    for f in files:                                 # not cached
+        drop_cache(str(f))
+    if it._cached_share(files) > 0.5:
+        pytest.skip("the page cache kept the files (cannot drop them here)")
+    _assert_same(_load(path), stock)
+    assert it.stats().loads == 1 and len(spy) == 1
+    it.install(read="buffered")                     # forced: read even though cached
+    _assert_same(_load(path), stock)
+    assert it.stats().loads == 2 and len(spy) == 2

@@ -37,7 +37,9 @@ The hook hands the call on unchanged (logged at DEBUG with the reason; counted i
 :func:`stats`) when transformers would not memory-map the shards or the load needs more than
 plain tensors: a ``state_dict`` given, ``.bin`` checkpoints, ``disable_mmap`` or an hf-mount
 file system, an ``mps`` device, a ``"disk"`` entry in ``device_map``, a quantizer, a tensor
-parallel ``device_mesh`` or DeepSpeed ZeRO-3.
+parallel ``device_mesh`` or DeepSpeed ZeRO-3. With ``read="auto"`` (the default) it also
+does when the page cache already holds 90% of the checkpoint (``cachestat``): transformers'
+memory map then reads it without a copy, faster than any read into new memory.
 
 Without transformers installed, importing this module works (it imports transformers only in
 :func:`install`) and :func:`install` raises :class:`ImportError`.
@@ -56,6 +58,7 @@ from typing import Any, Optional
 
 import torch
 
+from aioswap import _adaptive
 from aioswap import safetensors as _st
 
 __all__ = [
@@ -74,6 +77,10 @@ _METHOD = "_load_pretrained_model"
 # parameters of the stock method this hook reads (transformers 5.x)
 _PARAMETERS = ("state_dict", "checkpoint_files", "load_config")
 _AHEAD_BYTES = 1 << 30    # tensors read and not yet taken, at most (soft), for a device
+# With read="auto", a checkpoint of which the page cache holds at least this share is left
+# to transformers: its memory map reads cached pages without a copy, several times faster
+# than copying them (bench_loaders: 5.96 GB/s stock against 1.90 through aioswap, warm).
+_CACHED_SHARE = 0.9
 
 
 @dataclass
@@ -264,6 +271,21 @@ def _window(config: Any) -> Optional[int]:
     return None
 
 
+def _cached_share(files: Sequence[Any]) -> float:
+    """The share of the shard files' bytes the page cache holds now (``cachestat``; reads
+    nothing)."""
+    total = cached = 0
+    for f in files:
+        fd = os.open(os.fspath(f), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            n = os.fstat(fd).st_size
+            total += n
+            cached += _adaptive.cached_bytes(fd, 0, n)
+        finally:
+            os.close(fd)
+    return cached / total if total else 1.0
+
+
 def _headers(files: Sequence[Any]) -> tuple[list[str], list[_st.Header]]:
     """Every shard's path and checked header (errors name the file)."""
     paths = [os.fspath(f) for f in files]
@@ -286,6 +308,9 @@ def _load_pretrained_model(*args: Any, **kwargs: Any) -> Any:
     config = bound.arguments.get("load_config")
     module = sys.modules.get(_MODULE)
     why = _why_stock(module, state_dict, files, config)
+    if (why is None and _CACHED_SHARE is not None and _adaptive.read_mode(_read) == "auto"
+            and _cached_share(files) >= _CACHED_SHARE):
+        why = "the checkpoint is in the page cache (mapped by transformers, no copy)"
     if why is not None:
         with _state_lock:
             _stats.stock_loads += 1
@@ -349,7 +374,6 @@ def install(*, read: Optional[str] = None) -> None:
     """
     global _cls, _stock, _read, _stats
     if read is not None:
-        from aioswap import _adaptive
         _adaptive.read_mode(read)             # a bad value: ValueError, nothing changed
     with _state_lock:
         _read = read
