@@ -122,3 +122,13 @@ def wait_all(futures: Iterable[concurrent.futures.Future[Any]]) -> None:
     exc = first_error(futures)
     if exc is not None:
         raise exc
+
+
+def dist_version(dist: str) -> str:
+    """The installed version of distribution ``dist`` ("?" when unknown): what the
+    integrations name when a library is not the one they were written for."""
+    try:
+        from importlib.metadata import version
+        return version(dist)
+    except Exception:
+        return "?"

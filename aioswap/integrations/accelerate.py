@@ -94,7 +94,7 @@ import torch
 
 from aioswap import _aio, pinned
 from aioswap._aio import DEFAULT_ALIGNMENT as _ALIGN
-from aioswap._util import first_error, round_up
+from aioswap._util import dist_version, first_error, round_up
 from aioswap.errors import AioswapError, AioswapWarning
 from aioswap.handle import AioFile, AioHandle, IOFuture
 from aioswap.safetensors import Header, SafetensorsError, read_header
@@ -1234,7 +1234,7 @@ def install(*, page_cache: Optional[bool] = None) -> None:
         if not isinstance(stock, type):
             raise RuntimeError(f"aioswap.integrations.accelerate.install(): could not patch: "
                                f"accelerate.utils.offload has no class {_NAME} (accelerate "
-                               f"{_version('accelerate')})")
+                               f"{dist_version('accelerate')})")
         done = _rebind(stock, AioswapWeightsLoader)
         _stock = stock
         for name in done:
@@ -1249,7 +1249,7 @@ def install(*, page_cache: Optional[bool] = None) -> None:
         if missing:
             warnings.warn(f"aioswap.integrations.accelerate.install() could not patch "
                           f"{', '.join(f'{m}.{_NAME}' for m in missing)} (accelerate "
-                          f"{_version('accelerate')}): weights loaded through "
+                          f"{dist_version('accelerate')}): weights loaded through "
                           f"{'it' if len(missing) == 1 else 'them'} use the stock loader",
                           AioswapWarning, stacklevel=2)
         _log.info("aioswap: %s replaced in %s", _NAME, ", ".join(done))
@@ -1279,11 +1279,3 @@ def uninstall() -> None:
         if _writer is not None:
             _writer.close()
             _writer = None
-
-
-def _version(dist: str) -> str:
-    try:
-        from importlib.metadata import version
-        return version(dist)
-    except Exception:
-        return "?"

@@ -65,7 +65,7 @@ import torch
 from aioswap import pinned
 from aioswap._aio import DEFAULT_ALIGNMENT as _ALIGN
 from aioswap._checksum import algorithms, host_bytes, new_hasher
-from aioswap._util import first_error, round_up, write_atomic
+from aioswap._util import dist_version, first_error, round_up, write_atomic
 from aioswap.errors import AioswapError, AioswapWarning
 from aioswap.handle import AioFile, IOFuture, shared_handle
 from aioswap.integrations.accelerate import OffloadFileError
@@ -561,7 +561,7 @@ def install(*, readahead_bytes: int = _READAHEAD_BYTES) -> None:
                               f"importable ({exc}); pip install diffusers") from exc
         cls = getattr(module, _CLASS, None)
         where = f"{_MODULE}.{_CLASS}"
-        version = _version("diffusers")
+        version = dist_version("diffusers")
         if not isinstance(cls, type):
             raise RuntimeError(f"aioswap.integrations.diffusers.install(): could not patch: "
                                f"{_MODULE} has no class {_CLASS} (diffusers {version})")
@@ -610,11 +610,3 @@ def stats() -> OffloadStats:
     """A copy of the counters since :func:`install` (see :class:`OffloadStats`)."""
     with _state_lock:
         return replace(_stats)
-
-
-def _version(dist: str) -> str:
-    try:
-        from importlib.metadata import version
-        return version(dist)
-    except Exception:
-        return "?"

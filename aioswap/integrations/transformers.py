@@ -60,6 +60,7 @@ import torch
 
 from aioswap import _adaptive
 from aioswap import safetensors as _st
+from aioswap._util import dist_version
 
 __all__ = [
     "LoadStats",
@@ -308,8 +309,8 @@ def _load_pretrained_model(*args: Any, **kwargs: Any) -> Any:
     config = bound.arguments.get("load_config")
     module = sys.modules.get(_MODULE)
     why = _why_stock(module, state_dict, files, config)
-    if (why is None and _CACHED_SHARE is not None and _adaptive.read_mode(_read) == "auto"
-            and _cached_share(files) >= _CACHED_SHARE):
+    if (why is None and files and _CACHED_SHARE is not None
+            and _adaptive.read_mode(_read) == "auto" and _cached_share(files) >= _CACHED_SHARE):
         why = "the checkpoint is in the page cache (mapped by transformers, no copy)"
     if why is not None:
         with _state_lock:
@@ -384,7 +385,7 @@ def install(*, read: Optional[str] = None) -> None:
         except ImportError as exc:
             raise ImportError(f"aioswap.integrations.transformers.install(): transformers is "
                               f"not importable ({exc}); pip install transformers") from exc
-        version = _version("transformers")
+        version = dist_version("transformers")
         cls = getattr(module, _CLASS, None)
         if not isinstance(cls, type):
             raise RuntimeError(f"aioswap.integrations.transformers.install(): could not patch: "
@@ -429,11 +430,3 @@ def stats() -> LoadStats:
     """A copy of the counters since :func:`install` (see :class:`LoadStats`)."""
     with _state_lock:
         return replace(_stats)
-
-
-def _version(dist: str) -> str:
-    try:
-        from importlib.metadata import version
-        return version(dist)
-    except Exception:
-        return "?"
