@@ -9,7 +9,9 @@ the result, reading every byte, touching one byte of every page of the result):
 
 * **cold**: the files' pages dropped from the cache first (``posix_fadvise(DONTNEED)``, and
   ``/proc/sys/vm/drop_caches`` as root);
-* **warm**: the file read once just before (it is in the page cache).
+* **warm**: the file read once just before (it is in the page cache);
+* **half**: dropped, then every other 16 MiB of each file read (half of it is in the page
+  cache, in stretches): the case for reads that choose per range.
 
 Loaders (each only when installed; ``--loaders`` picks):
 
@@ -45,7 +47,8 @@ median and range; CPU seconds per GB (user + system, every thread); peak RSS ove
 process's RSS before the load (the largest of the rounds). Ratios of
 aioswap to the best peer that returns memory the caller owns (all but ``safetensors``, whose
 tensors map the file) and to fio (cold) or pread4 (warm) are the medians of the per-round
-ratios (``hf-aioswap`` to ``hf-stock`` only). ``--json`` prints one object.
+ratios (``hf-aioswap`` to ``hf-stock`` only); in ``half``, also aioswap to the better of
+``aioswap-direct`` and ``aioswap-buffered`` in the same round. ``--json`` prints one object.
 
     python benchmarks/bench_loaders.py --dir /nvme --size 2G --repeat 5
 """
@@ -243,6 +246,19 @@ def drop(path: str) -> None:
             pass
 
 
+HALF_STRETCH = 16 << 20      # "half": cached and uncached stretches of this size
+
+
+def half(path: str) -> None:
+    drop(path)
+    for f in files_of(path):
+        with open(f, "rb", buffering=0) as fh:
+            off, size = 0, os.fstat(fh.fileno()).st_size
+            while off < size:
+                os.pread(fh.fileno(), HALF_STRETCH, off)
+                off += 2 * HALF_STRETCH
+
+
 def warm(path: str) -> None:
     for f in files_of(path):
         with open(f, "rb", buffering=0) as fh:
@@ -407,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=size_arg(1 << 20), default=256 << 20,
                    help="bytes of the state dict (default 256M; the issue's is 2G)")
     p.add_argument("--repeat", type=int, default=3, help="rounds (default 3)")
-    p.add_argument("--modes", default="cold,warm", help="cold, warm or both (default)")
+    p.add_argument("--modes", default="cold,warm",
+                   help="cold, warm and/or half (default cold,warm)")
     p.add_argument("--loaders", default=",".join(ALL), help="comma-separated, of: "
                    + ", ".join(ALL))
     p.add_argument("--hf-size", type=size_arg(1 << 20), default=None,
@@ -421,8 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in ("cold", "warm") for m in modes):
-        p.error(f"--modes: expected cold and/or warm, got {args.modes!r}")
+    if not modes or any(m not in ("cold", "warm", "half") for m in modes):
+        p.error(f"--modes: expected cold, warm and/or half, got {args.modes!r}")
     wanted = [n.strip() for n in args.loaders.split(",") if n.strip()]
     bad = [n for n in wanted if n not in ALL]
     if bad:
@@ -449,12 +466,12 @@ def main(argv: list[str] | None = None) -> int:
         for rnd, order in enumerate(orders(names, args.repeat)):
             for mode in modes:
                 for n in order:
-                    if mode == "warm" and n == "fio":
+                    if mode != "cold" and n == "fio":
                         continue
                     if progress:
                         print(f"\rround {rnd + 1}/{args.repeat} {mode} {n:20s}", end="",
                               file=sys.stderr, flush=True)
-                    (drop if mode == "cold" else warm)(paths[n])
+                    {"cold": drop, "warm": warm, "half": half}[mode](paths[n])
                     res[mode].setdefault(n, []).append(run_one(n, paths[n], nbytes))
         if progress:
             print(file=sys.stderr)
@@ -486,6 +503,12 @@ def main(argv: list[str] | None = None) -> int:
                     figs[ours][i]["gbps"] / max(figs[q][i]["gbps"] for q in peers)
                     for i in range(args.repeat))
             ratios[ours] = per
+        if mode == "half" and all(n in figs for n in
+                                  ("aioswap", "aioswap-direct", "aioswap-buffered")):
+            ratios.setdefault("aioswap", {})["better_of_direct_buffered"] = statistics.median(
+                figs["aioswap"][i]["gbps"] / max(figs["aioswap-direct"][i]["gbps"],
+                                                 figs["aioswap-buffered"][i]["gbps"])
+                for i in range(args.repeat))
         if all(n in figs for n in HF):
             ratios["hf-aioswap"] = {"hf-stock": statistics.median(
                 a["gbps"] / b["gbps"] for a, b in zip(figs["hf-aioswap"], figs["hf-stock"]))}
