@@ -22,7 +22,6 @@ contiguous copy; CUDA tensors through the ring in block-sized chunks.
 from __future__ import annotations
 
 import atexit
-import collections
 import concurrent.futures
 import errno
 import fcntl
@@ -30,9 +29,7 @@ import logging
 import operator
 import os
 import queue
-import sys
 import threading
-import time
 import warnings
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -40,10 +37,10 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import numpy as np
 
 from aioswap import _aio, _bounce, _files, pinned
-from aioswap._future import ENGINE as _FUTURES
-from aioswap._future import IOFuture
 from aioswap._buffers import Buffer, resolve
 from aioswap._files import AioFile, FileArg, PathLike, describe
+from aioswap._future import ENGINE as _FUTURES
+from aioswap._future import IOFuture
 from aioswap._util import flat_bytes
 from aioswap.config import AioConfig, runtime_settings
 from aioswap.errors import DirectIOFallbackWarning, HandleClosedError, ShortReadError
