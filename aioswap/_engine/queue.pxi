@@ -589,11 +589,12 @@ cdef class AioQueue:
                 rc = _help(&self.q, &head, budget)
         finally:
             self._out()
-        if rc < 0:
-            return False
         if head != NULL:
             deliver(_done_list(head))
-        return True
+        # the callers are waits (wait(), result()): a signal handler (KeyboardInterrupt)
+        # runs here, between batches, as it would in a wait written in Python
+        PyErr_CheckSignals()
+        return rc >= 0
 
     def hurry(self, int delta):
         """Count a thread that starts (+1) or stops (-1) waiting for asynchronous results.
