@@ -124,6 +124,10 @@ def test_a_stale_scratch_file_is_removed_and_named(tmp_dir: Path, command: str) 
     assert sorted(os.listdir(d)) == sorted(f.name for f in kept)
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("end", ["finished", "SIGINT", "SIGTERM"])
 def test_tune_leaves_nothing_in_tmpdir(tmp_dir: Path, tmp_path: Path, end: str,
                                        memlock_room: int | None) -> None:
@@ -137,7 +141,10 @@ def test_tune_leaves_nothing_in_tmpdir(tmp_dir: Path, tmp_path: Path, end: str,
     p = subprocess.Popen([sys.executable, "-m", "aioswap", "tune", "--dir", str(d),
                           "--io-size", *io, "--repeat", "1" if end == "finished" else "50",
                           "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)})
+                         text=True, cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)},
+                         # Ctrl-C as in a terminal: a shell's background job (a CI runner
+                         # started with `&`) hands its children SIGINT ignored
+                         preexec_fn=_sigint_default)
     try:
         if end != "finished":
             _wait_for(d, ".aioswap-tune-*.bin", p)
