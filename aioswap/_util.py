@@ -132,3 +132,14 @@ def dist_version(dist: str) -> str:
         return version(dist)
     except Exception:
         return "?"
+
+
+def import_for(integration: str, module: str, dist: str) -> Any:
+    """``importlib.import_module(module)`` for ``integration``'s ``install()``; an
+    ImportError that names the integration and the ``pip install`` that fixes it."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"aioswap.integrations.{integration}.install(): {dist} is not "
+                          f"importable ({exc}); pip install {dist}") from exc

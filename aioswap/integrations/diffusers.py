@@ -49,7 +49,6 @@ Without diffusers installed, importing this module works and :func:`install` rai
 """
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -65,7 +64,7 @@ import torch
 from aioswap import pinned
 from aioswap._aio import DEFAULT_ALIGNMENT as _ALIGN
 from aioswap._checksum import algorithms, host_bytes, new_hasher
-from aioswap._util import dist_version, first_error, round_up, write_atomic
+from aioswap._util import dist_version, first_error, import_for, round_up, write_atomic
 from aioswap.errors import AioswapError, AioswapWarning
 from aioswap.handle import AioFile, IOFuture, shared_handle
 from aioswap.integrations.accelerate import OffloadFileError
@@ -554,11 +553,7 @@ def install(*, readahead_bytes: int = _READAHEAD_BYTES) -> None:
         _readahead_bytes = max(0, int(readahead_bytes))
         if _cls is not None:
             return
-        try:
-            module = importlib.import_module(_MODULE)
-        except ImportError as exc:
-            raise ImportError(f"aioswap.integrations.diffusers.install(): diffusers is not "
-                              f"importable ({exc}); pip install diffusers") from exc
+        module = import_for("diffusers", _MODULE, "diffusers")
         cls = getattr(module, _CLASS, None)
         where = f"{_MODULE}.{_CLASS}"
         version = dist_version("diffusers")

@@ -60,7 +60,7 @@ import torch
 
 from aioswap import _adaptive
 from aioswap import safetensors as _st
-from aioswap._util import dist_version
+from aioswap._util import dist_version, import_for
 
 __all__ = [
     "LoadStats",
@@ -380,11 +380,7 @@ def install(*, read: Optional[str] = None) -> None:
         _read = read
         if _cls is not None:
             return
-        try:
-            module = importlib.import_module(_MODULE)
-        except ImportError as exc:
-            raise ImportError(f"aioswap.integrations.transformers.install(): transformers is "
-                              f"not importable ({exc}); pip install transformers") from exc
+        module = import_for("transformers", _MODULE, "transformers")
         version = dist_version("transformers")
         cls = getattr(module, _CLASS, None)
         if not isinstance(cls, type):
