@@ -824,8 +824,6 @@ class AioHandle:
         if offset < 0:
             raise ValueError(f"negative file offset {offset} for {describe(file)}")
         mem = resolve(buffer)
-        if mem.tensor is not None:
-            _aio.learn_torch()                  # the compiled path takes the next ones
         n = mem.nbytes if nbytes is None else _integer(nbytes, "nbytes", file)
         if n < 0:
             raise ValueError(f"negative nbytes {n} for {describe(file)}")

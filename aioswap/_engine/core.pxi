@@ -101,6 +101,16 @@ def io_hold(registry, uint64_t address, uint64_t nbytes):
     return hold, locked
 
 
+cdef int _unhold(object io_lock, object hold) except -1:
+    """``registry.unhold(hold)`` without running Python (or a list)."""
+    io_lock.acquire()
+    try:
+        hold.io -= 1
+    finally:
+        io_lock.release()
+    return 0
+
+
 cdef int _unhold_all(object io_lock, list holds) except -1:
     """``registry.unhold`` for each hold in ``holds`` (None: none), under one lock."""
     io_lock.acquire()
@@ -550,11 +560,11 @@ cdef class Core:
                 self._count_paths(mode, edges, middle)
         except BaseException:
             if hold is not None:
-                _unhold_all(self.io_lock, [hold])
+                _unhold(self.io_lock, hold)
             raise
         if not counted:
             if hold is not None:
-                _unhold_all(self.io_lock, [hold])
+                _unhold(self.io_lock, hold)
             return _SLOW                    # raises the closed error
         if ticket is not None:
             try:
@@ -597,7 +607,7 @@ cdef class Core:
         self._count_outcome(write, done, failed)
         self.leave_(1, False)
         if hold is not None:
-            _unhold_all(self.io_lock, [hold])
+            _unhold(self.io_lock, hold)
         if last:
             f._close_fd()
 
