@@ -21,8 +21,11 @@ method's alone); the rounds alternate which method goes first. Per round and met
   child's peak RSS from its first forward on (``VmHWM`` reset through ``/proc/self/clear_refs``
   after ``from_pretrained``; ``ru_maxrss`` where that fails).
 
-Then, in this process: the drive's read speed (one ``--drive-size`` ``O_DIRECT`` read through
-an ``AioHandle`` into page-locked memory, page cache dropped), the time of
+Each round also measures the drive (the model's shard files, page cache dropped, read whole
+with ``O_DIRECT`` through an ``AioHandle``, queued deep) and the compute alone (a child that
+holds every weight in memory). The **overlap bound** of a forward that reads its weights is
+max(compute, bytes it reads / drive speed); the report gives time against it beside time
+against stock. Then, in this process: the time of
 ``accelerate.utils.offload_state_dict`` for the model's state dict (stock ``np.memmap`` files
 against aioswap's writes after ``install()``; both followed by ``os.sync()``), and the
 construction of the loader for ``--keys`` keys (half in a CPU state dict, half offloaded, as
@@ -66,12 +69,13 @@ SMALL_MODEL = 64 * 10**6       # below this, one round by default (a smoke test)
 
 
 # -- the child: one method, one process -------------------------------------------------------
-def _proc_io() -> int:
-    """Bytes this process has caused to be read from storage (all threads)."""
+def _proc_io(field: str = "read_bytes") -> int:
+    """Bytes this process has caused to be read from (``read_bytes``) or written to
+    (``write_bytes``) storage, all threads; -1: unknown."""
     try:
         with open("/proc/self/io", encoding="ascii") as f:
             for line in f:
-                if line.startswith("read_bytes:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1])
     except OSError:
         pass
@@ -143,6 +147,20 @@ def _loaders_of(model: Any) -> list[Any]:
     return list(found.values())
 
 
+def compute_child(spec: dict[str, Any]) -> dict[str, float]:
+    """The model's compute alone: a 1-token forward and a ``generate`` with every weight in
+    memory (``from_pretrained`` without a device map), after one untimed forward; medians of
+    three."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(spec["path"])
+    ids = torch.tensor([[1]])
+    with torch.no_grad():
+        model(ids)
+        forwards = sorted(_timed_forward(model, ids)[0] for _ in range(3))
+        gens = sorted(_timed_generate(model, ids, spec["new_tokens"]) for _ in range(3))
+    return {"compute_forward_s": forwards[1], "compute_generate_s": gens[1]}
+
+
 def child(spec: dict[str, Any]) -> dict[str, float]:
     """One method's measurements (in a process of their own)."""
     from transformers import AutoModelForCausalLM
@@ -150,6 +168,8 @@ def child(spec: dict[str, Any]) -> dict[str, float]:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("accelerate").setLevel(logging.ERROR)
+    if spec["method"] == "compute":
+        return compute_child(spec)
     if spec["method"] == "aioswap":
         ia.install()
     files: list[str] = spec["files"]
@@ -265,8 +285,9 @@ def run_child(spec: dict[str, Any], group: MemoryGroup | None = None) -> dict[st
     return {k: float(v) for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 
-def build_model(directory: str, args: argparse.Namespace) -> tuple[str, int, int]:
-    """Save a random Llama; return its folder, its bytes and the bytes of one layer."""
+def build_model(directory: str, args: argparse.Namespace) -> tuple[str, int, int, int]:
+    """Save a random Llama; return its folder, its bytes, the bytes of one layer and the
+    bytes a forward reads (all but the embedding table, of which it reads a row)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
     h = args.hidden
     heads = max(1, h // 64)
@@ -279,33 +300,45 @@ def build_model(directory: str, args: argparse.Namespace) -> tuple[str, int, int
     model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, args.dtype))
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    embed = model.model.embed_tokens.weight
     path = os.path.join(directory, "model")
     model.save_pretrained(path, max_shard_size=max(1, nbytes // args.shards + 1))
-    return path, nbytes, layer
+    return path, nbytes, layer, nbytes - embed.numel() * embed.element_size()
 
 
-def drive_read_gbs(directory: str, size: int) -> float:
-    """GB/s of one large ``O_DIRECT`` read (page cache dropped) through an ``AioHandle``."""
-    with scratch_file(directory, "hf-drive") as path, aioswap.AioHandle() as h:
-        chunk = os.urandom(1 << 20)
-        with open(path, "wb") as f:
-            for _ in range(-(-size // len(chunk))):
-                f.write(chunk)
+def drive_read_gbs(files: list[str]) -> float:
+    """GB/s of the drive on the model's own bytes: every shard file dropped from the page
+    cache, then read whole with ``O_DIRECT`` through one :class:`aioswap.AioHandle` (the
+    engine cuts each read into pieces queued deep), one file after the other."""
+    shards = [f for f in files if f.endswith(".safetensors")]
+    for path in shards:
         drop_file_cache(path)
-        buf = h.new_cpu_locked_tensor(size, torch.uint8)
+    size = max(os.path.getsize(f) for f in shards)
+    total = 0
+    with aioswap.AioHandle() as h:
         try:
-            with h.open(path, "r") as f:
-                t0 = time.perf_counter()
-                h.pread(buf, f, 0)
-                dt = time.perf_counter() - t0
+            buf = h.new_cpu_locked_tensor(size, torch.uint8)
+            locked = True
+        except (OSError, aioswap.AioswapError):      # a normal user's memlock limit
+            buf, locked = torch.empty(size, dtype=torch.uint8), False
+        buf.fill_(0)                                  # every page faulted in before timing
+        try:
+            t0 = time.perf_counter()
+            for path in shards:
+                with h.open(path, "r") as f:
+                    n = f.size()
+                    total += h.pread(buf[:n], f, 0)
+            dt = time.perf_counter() - t0
         finally:
-            h.free_cpu_locked_tensor(buf)
+            if locked:
+                h.free_cpu_locked_tensor(buf)
             del buf
-    return size / dt / 1e9
+    return total / dt / 1e9
 
 
-def write_round(method: str, path: str, work: str) -> float:
-    """Seconds of ``offload_state_dict`` of the model, data synced (``os.sync``)."""
+def write_round(method: str, path: str, work: str) -> tuple[float, int]:
+    """Seconds of ``offload_state_dict`` of the model, data synced (``os.sync``), and the
+    bytes this process caused to be written to storage meanwhile."""
     import accelerate.utils
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -315,13 +348,39 @@ def write_round(method: str, path: str, work: str) -> float:
         ia.install()
     try:
         os.sync()
+        w0 = _proc_io("write_bytes")
         t0 = time.perf_counter()
         accelerate.utils.offload_state_dict(out, sd)
         os.sync()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, _proc_io("write_bytes") - w0
     finally:
         ia.uninstall()
         shutil.rmtree(out, ignore_errors=True)
+
+
+_SYNCS = ("fsync", "fdatasync", "msync", "sync_file_range")
+
+
+def sync_calls(method: str, path: str, work: str) -> dict[str, int] | None:
+    """The system calls that make data durable, counted with ``strace -f -c`` over one
+    untimed ``offload_state_dict`` of the model in a child; None without strace."""
+    strace = shutil.which("strace")
+    if strace is None:
+        return None
+    with tempfile.NamedTemporaryFile(dir=work, prefix="strace-") as log:
+        cmd = [strace, "-f", "-c", "-o", log.name, "-e", "trace=" + ",".join(_SYNCS),
+               sys.executable, os.path.abspath(__file__), "--write-child",
+               json.dumps({"method": method, "path": path, "work": work})]
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, timeout=CHILD_TIMEOUT, check=False)
+        if done.returncode != 0:
+            return None
+        counts = {name: 0 for name in _SYNCS}
+        for line in open(log.name, encoding="utf-8", errors="replace"):
+            cols = line.split()
+            if cols and cols[-1] in counts and len(cols) >= 5:
+                counts[cols[-1]] = int(cols[3])
+        return counts
 
 
 def construction(keys: int) -> dict[str, float]:
@@ -362,12 +421,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limited-forwards", type=int, default=3,
                    help="forwards per child under the memory limit (default: 3)")
     p.add_argument("--no-limit", action="store_true", help="skip the memory-limit case")
-    p.add_argument("--drive-size", type=size_arg(1 << 20), default=64 << 20,
-                   help="bytes of the drive-speed read, K/M/G (default: 64M)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--write-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     out = sys.stdout
+    if args.write_child is not None:
+        spec = json.loads(args.write_child)
+        with contextlib.redirect_stdout(sys.stderr):
+            write_round(spec["method"], spec["path"], spec["work"])
+        return 0
     if args.child is not None:
         with contextlib.redirect_stdout(sys.stderr):
             figures = child(json.loads(args.child))
@@ -400,11 +463,11 @@ def measure(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, A
 
     no_limit = "--no-limit given" if args.no_limit else cgroup_unavailable()
     work = tempfile.mkdtemp(prefix=".aioswap-hf-", dir=os.path.abspath(args.dir))
-    rounds: dict[str, dict[str, list[float]]] = {m: {} for m in METHODS}
+    rounds: dict[str, dict[str, list[float]]] = {m: {} for m in [*METHODS, "compute"]}
     limits: list[int] = []
     failcnt = {m: 0 for m in METHODS}
     try:
-        path, nbytes, layer_bytes = build_model(work, args)
+        path, nbytes, layer_bytes, forward_bytes = build_model(work, args)
         repeat = args.repeat or (1 if nbytes < SMALL_MODEL else 5)
         files = sorted(os.path.join(path, f) for f in os.listdir(path))
 
@@ -413,7 +476,11 @@ def measure(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, A
                     "offload": tempfile.mkdtemp(prefix="offload-", dir=work),
                     "new_tokens": args.new_tokens, "forwards": args.limited_forwards}
 
+        drives: list[float] = []
         for order in orders(METHODS, repeat):           # who goes first alternates
+            drives.append(drive_read_gbs(files))
+            for k, v in run_child(spec("compute", False)).items():
+                rounds["compute"].setdefault(k, []).append(v)
             for method in order:
                 for k, v in run_child(spec(method, False)).items():
                     rounds[method].setdefault(k, []).append(v)
@@ -434,18 +501,22 @@ def measure(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, A
                         "peak_rss_bytes", "failed", "rss_before_forward",
                         "through_page_cache") else k, []).append(v)
         left = _drop_all(files)
-        drive = drive_read_gbs(work, args.drive_size)
         writes: dict[str, list[float]] = {m: [] for m in METHODS}
+        written: dict[str, list[float]] = {m: [] for m in METHODS}
         for order in orders(METHODS, repeat):
             for method in order:
-                writes[method].append(write_round(method, path, work))
+                seconds, nwritten = write_round(method, path, work)
+                writes[method].append(seconds)
+                written[method].append(nwritten)
+        syncs = {m: sync_calls(m, path, work) for m in METHODS}
         build = construction(args.keys)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    figures = {m: {k: summarize(v) for k, v in rounds[m].items()} for m in METHODS}
+    figures = {m: {k: summarize(v) for k, v in rounds[m].items()} for m in rounds}
     for m in METHODS:
         figures[m]["offload_state_dict_s"] = summarize(writes[m])
+        figures[m]["offload_state_dict_written_bytes"] = summarize(written[m])
 
     def med(m: str, k: str) -> float:
         s = figures[m].get(k)
@@ -458,13 +529,34 @@ def measure(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, A
                        "offload_state_dict_s")}
     cold_read_gbs = {m: med(m, "cold_forward_read_bytes") / med(m, "cold_forward_s") / 1e9
                      for m in METHODS}
-    rss_over = (med("aioswap", "peak_rss_bytes") - med("stock", "peak_rss_bytes")) / layer_bytes
+    drive = summarize(drives).median
+    # The overlap bound: a forward that reads its weights from the drive cannot take less
+    # than the longer of its compute (weights in memory) and its bytes / the drive's speed.
+    read_s = forward_bytes / (drive * 1e9)
+    bound = {"forward_s": max(med("compute", "compute_forward_s"), read_s),
+             # the first token's forward reads everything, the others compute
+             "generate_s": max(med("compute", "compute_forward_s"), read_s)
+             + med("compute", "compute_generate_s") - med("compute", "compute_forward_s")}
+    vs_bound = {m: {"cold_forward": bound["forward_s"] / med(m, "cold_forward_s"),
+                    "limited_forward": bound["forward_s"] / med(m, "limited_forward_s"),
+                    "cold_generate": bound["generate_s"] / med(m, "cold_generate_s")}
+                for m in METHODS}
+
+    def over(k: str) -> float:
+        return (med("aioswap", k) - med("stock", k)) / layer_bytes
+
     targets = {
-        "cold_forward_vs_stock": {"value": ratios["cold_forward_s"], "target": 2.0},
-        "cold_forward_vs_drive": {"value": cold_read_gbs["aioswap"] / drive, "target": 0.8},
-        "limited_forward_vs_stock": {"value": extra["limited_forward_s"], "target": 3.0},
+        "cold_forward_vs_bound": {"value": vs_bound["aioswap"]["cold_forward"],
+                                  "target": 0.95},
+        "limited_forward_vs_bound": {"value": vs_bound["aioswap"]["limited_forward"],
+                                     "target": 0.9},
+        "limited_peak_rss_over_stock_layers": {"value": over("limited_peak_rss_bytes"),
+                                               "target": 2.0, "at_most": True},
+        "peak_rss_over_stock_layers": {"value": over("peak_rss_bytes"), "target": 2.0,
+                                       "at_most": True},
+        "cold_generate_vs_stock": {"value": ratios["cold_generate_s"], "target": 1.2},
+        "second_forward_vs_stock": {"value": extra["second_forward_s"], "target": 1.0},
         "warm_forward_vs_stock": {"value": ratios["warm_forward_s"], "target": 1.0},
-        "peak_rss_over_stock_layers": {"value": rss_over, "target": 2.0, "at_most": True},
     }
     for t in targets.values():
         v, goal = float(t["value"]), float(t["target"])
@@ -480,7 +572,10 @@ def measure(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, A
         "memory_limit": {"skipped": no_limit, "limit_bytes": max(limits, default=0),
                          "headroom": args.mem_headroom, "forwards": args.limited_forwards,
                          "failcnt": failcnt},
-        "drive_read_gbs": drive,
+        "drive_read_gbs": drive, "drive_read_gbs_rounds": drives,
+        "forward_read_bytes": forward_bytes,
+        "overlap_bound_s": bound,
+        "ratios_bound_over_time": vs_bound,
         "figures": {m: {k: s.to_json_dict() for k, s in f.items()} for m, f in figures.items()},
         "ratios_stock_over_aioswap_time": ratios,
         "more_ratios_stock_over_aioswap_time": extra,
@@ -491,6 +586,7 @@ def measure(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, A
             case: (figures["aioswap"][k].median if k in figures["aioswap"] else math.nan)
             for case, k in (("unlimited", "through_page_cache"),
                             ("under the memory limit", "limited_through_page_cache"))},
+        "offload_state_dict_sync_calls": syncs,
         "loader_construction_s": {"keys": args.keys, **build,
                                   "ratio": ratio(build["stock"], build["aioswap"])},
     }
@@ -510,7 +606,12 @@ def print_report(report: dict[str, Any], args: argparse.Namespace, out: Any) -> 
         av = math.nan if a is None else a.median / scale
         return [label, sv, av, ratio(sv, av) if with_ratio else math.nan]
 
+    bound = report["overlap_bound_s"]
+    vs = report["ratios_bound_over_time"]
+    compute = figures["compute"]
     rows = [row("cold 1-token forward s", "cold_forward_s"),
+            ["  bound / time", vs["stock"]["cold_forward"], vs["aioswap"]["cold_forward"],
+             math.nan],
             row("  MB read", "cold_forward_read_bytes", 1e6, False),
             row("second forward (after cold) s", "second_forward_s"),
             row("  MB read", "second_forward_read_bytes", 1e6, False),
@@ -520,19 +621,33 @@ def print_report(report: dict[str, Any], args: argparse.Namespace, out: Any) -> 
             row("peak RSS MB", "peak_rss_bytes", 1e6, False)]
     if lim["skipped"] is None:
         rows += [row("forward under memory limit s", "limited_forward_s"),
+                 ["  bound / time", vs["stock"]["limited_forward"],
+                  vs["aioswap"]["limited_forward"], math.nan],
                  row("  MB read", "limited_forward_read_bytes", 1e6, False),
                  row("  peak RSS MB", "limited_peak_rss_bytes", 1e6, False),
                  row(f"{args.new_tokens}-token generate under the limit s",
                      "limited_generate_s")]
     rows += [row("offload_state_dict (write) s", "offload_state_dict_s"),
+             row("  MB written", "offload_state_dict_written_bytes", 1e6, False),
              [f"loader for {args.keys} keys s", build["stock"], build["aioswap"],
               build["ratio"]]]
     notes = ["page cache dropped before cold runs: each model file with "
              "aioswap.tune.drop_cache (posix_fadvise DONTNEED); at most "
              f"{report['resident_after_drop']:.0%} of a file left resident",
              "times in seconds; the ratio is stock time / aioswap time",
-             f"drive: one O_DIRECT read of {args.drive_size / 1e6:.0f} MB at "
-             f"{report['drive_read_gbs']:.2f} GB/s"]
+             f"drive: the model's shard files read O_DIRECT (page cache dropped) at "
+             f"{report['drive_read_gbs']:.2f} GB/s (median of the rounds)",
+             f"compute with the weights in memory: forward "
+             f"{compute['compute_forward_s'].median:.3f} s, {args.new_tokens}-token generate "
+             f"{compute['compute_generate_s'].median:.3f} s",
+             f"overlap bound (max of compute and {report['forward_read_bytes'] / 1e6:.0f} MB "
+             f"a forward reads / the drive): forward {bound['forward_s']:.3f} s, generate "
+             f"{bound['generate_s']:.3f} s; 'bound / time' rows: 1.0 is the bound"]
+    syncs = report["offload_state_dict_sync_calls"]
+    if all(syncs.values()):
+        notes.append("offload_state_dict syncs (strace -c): " + "; ".join(
+            f"{m} " + ", ".join(f"{n} {k}" for k, n in c.items() if n)
+            for m, c in syncs.items()))
     ways = report.get("aioswap_through_page_cache", {})
     notes.append("aioswap read " + "; ".join(
         f"{case}: {'through the page cache' if v == 1 else 'direct' if v == 0 else 'both ways'}"

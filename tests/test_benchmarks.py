@@ -147,6 +147,21 @@ def test_bench_hf_offload(tmp_dir: Path) -> None:
     assert set(report["ratios_stock_over_aioswap_time"]) == {
         "cold_forward_s", "cold_generate_s", "warm_forward_s"}
     assert report["loader_construction_s"]["keys"] == 2000
+    # the drive read from the model's own files, the compute alone, and the bound from both
+    assert report["drive_read_gbs"] > 0 and len(report["drive_read_gbs_rounds"]) == 1
+    compute = report["figures"]["compute"]["compute_forward_s"]["median"]
+    read_s = report["forward_read_bytes"] / (report["drive_read_gbs"] * 1e9)
+    assert report["overlap_bound_s"]["forward_s"] == pytest.approx(max(compute, read_s))
+    for method in ("stock", "aioswap"):
+        assert report["ratios_bound_over_time"][method]["cold_forward"] > 0
+    assert set(report["targets"]) == {
+        "cold_forward_vs_bound", "limited_forward_vs_bound", "peak_rss_over_stock_layers",
+        "limited_peak_rss_over_stock_layers", "cold_generate_vs_stock",
+        "second_forward_vs_stock", "warm_forward_vs_stock"}
+    for method, syncs in report["offload_state_dict_sync_calls"].items():
+        if syncs is not None:          # strace installed: the files are made durable
+            assert sum(syncs.values()) > 0, (method, syncs)
+        assert report["figures"][method]["offload_state_dict_written_bytes"]["median"] > 0
     assert list(tmp_dir.iterdir()) == []
 
 

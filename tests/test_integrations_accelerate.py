@@ -101,8 +101,13 @@ def test_disk_device_map(model_dir: tuple[Path, dict[str, Any]], tmp_path: Path,
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path, device_map={"": "disk"}, offload_folder=tmp_path / "off")
     (loader,) = _aioswap_maps(model)
-    _assert_same(_run(model), ref)
+    _drop(sorted(path.glob("*.safetensors")))
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref["logits"])
     s = loader.stats
+    if way == "cache":          # the first forward asks for its groups ahead of use
+        assert s.advised_bytes > 0 and s.bytes_read > 0
+    _assert_same(_run(model), ref)
     assert loader.through_page_cache is (way == "cache")
     # every shard opened once; most tensors come from a batch read (or a group mapped)
     # for several of them, and a group's read-ahead was asked for before it was used
@@ -110,10 +115,14 @@ def test_disk_device_map(model_dir: tuple[Path, dict[str, Any]], tmp_path: Path,
     if way == "direct":
         assert s.hits > 10 * s.misses and s.batches < s.hits
     else:
-        assert s.hits > 3 * s.misses and s.advised_bytes >= s.bytes_read > 0
-    # again after close(): files reopen
+        assert s.hits > 3 * s.misses
+    advised, read = s.advised_bytes, s.bytes_read
+    # again after close(): files reopen; the page cache holds them now, so nothing more is
+    # asked into it
     loader.close()
     _assert_same(_run(model), ref)
+    if way == "cache":
+        assert s.advised_bytes == advised and s.bytes_read > read
 
 
 def test_auto_with_max_memory(model_dir: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
@@ -378,8 +387,10 @@ def test_loader_cache_paths_match_stock(model_dir: tuple[Path, dict[str, Any]],
         s = ours.stats
         assert s.bytes_read >= sum(t.numel() * t.element_size() for t in expected.values())
         if ours.through_page_cache:
-            # mapped, and asked into the page cache ahead: afterwards the shards are cached
-            assert s.requests > 0 and s.advised_bytes > 0 and s.cached_bytes == 0
+            # mapped, and what the page cache did not hold asked into it ahead: afterwards
+            # the shards are cached
+            assert s.requests > 0 and s.cached_bytes == 0
+            assert (s.advised_bytes == 0) == (cache == "cached"), s
             assert all(_resident(f) > 0.9 for f in shards), [_resident(f) for f in shards]
         elif cache == "cached":
             assert s.cached_bytes == s.bytes_read and s.requests == 0

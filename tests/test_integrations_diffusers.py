@@ -207,3 +207,41 @@ def test_import_without_diffusers() -> None:
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "pip install diffusers" in r.stdout
+
+
+@pytest.mark.parametrize("forced", [None, "direct", "buffered"])
+def test_onloads_follow_the_page_cache(forced: str | None, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group file the page cache holds is copied from it, one it does not is read direct;
+    AIOSWAP_READ forces either; the results stay stock's bit for bit."""
+    from aioswap.tune import drop_cache
+    stock = _forward(_offloaded(0, tmp_path / "stock"), 1)
+    if forced is not None:
+        monkeypatch.setenv("AIOSWAP_READ", forced)
+    idf.install()
+    model = _offloaded(0, tmp_path / "aioswap")
+    _forward(model, 1)                                   # writes the group files
+    files = _group_files(tmp_path / "aioswap")
+    try:
+        os.close(os.open(files[0], os.O_RDONLY | os.O_DIRECT))
+        direct_ok = True
+    except OSError:
+        direct_ok = False
+    for state in ("dropped", "cached"):
+        for f in files:
+            if state == "dropped":
+                drop_cache(str(f))
+            else:
+                f.read_bytes()
+        before = idf.stats()
+        (got,) = _forward(model, 1)
+        assert torch.equal(got, stock[0])
+        after = idf.stats()
+        read = after.bytes_read - before.bytes_read
+        copied = after.cached_bytes - before.cached_bytes
+        assert read > 0
+        want = {"direct": 0, "buffered": read}.get(forced or "", read if state == "cached"
+                                                   else 0)
+        if not direct_ok:               # tmpfs and the like: every read is a copy
+            want = read
+        assert copied == want, (state, forced, copied, read)

@@ -36,9 +36,10 @@ Through the page cache:
   stock loader maps shards; the mapping is faulted in with one ``MADV_POPULATE_READ`` call
   (the GIL released): one wait for the extent instead of a page fault per 4 KiB.
 * Before a group is mapped, the kernel is asked to read it and the groups that follow it,
-  up to ``read_ahead`` bytes (1 GiB by default), into the page cache
-  (``posix_fadvise(WILLNEED)``, the following ones on a background thread): the drive works
-  through them in large requests, queued deep, while this group computes.
+  up to ``read_ahead`` bytes (by default 1 GiB, at most a quarter of
+  :func:`memory_for_cache`), into the page cache (``posix_fadvise(WILLNEED)``, the
+  following ones on a background thread; nothing for a range the cache holds already):
+  the drive works through them in large requests, queued deep, while this group computes.
 * A tensor keeps its mapping alive; the mapping goes with the last tensor, and its pages
   stay in the cache for the next forward.
 
@@ -94,6 +95,7 @@ import torch
 
 from aioswap import _aio, pinned
 from aioswap._aio import DEFAULT_ALIGNMENT as _ALIGN
+from aioswap._adaptive import cached_bytes
 from aioswap._util import dist_version, first_error, round_up
 from aioswap.errors import AioswapError, AioswapWarning
 from aioswap.handle import AioFile, AioHandle, IOFuture
@@ -149,7 +151,8 @@ class LoaderStats:
     hits: int = 0             # tensors served from a batch (or group) already there
     misses: int = 0           # tensors whose batch was read (or group mapped) on demand
     files_opened: int = 0
-    advised_bytes: int = 0    # bytes asked into the page cache ahead of use (page-cache way)
+    advised_bytes: int = 0    # bytes asked into the page cache ahead of use (page-cache way;
+    #                           ranges the cache holds already are not asked for)
 
 
 @dataclass(frozen=True)
@@ -491,7 +494,8 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
     read_ahead : int, optional
         Direct: bytes of batches read ahead of the one in use (whole batch buffers, at least
         one); default one batch. Through the page cache: bytes of the following groups asked
-        into the cache (at least one group); default 1 GiB.
+        into the cache (at least one group); default 1 GiB, at most a quarter of
+        :func:`memory_for_cache`.
     sparse : callable, optional
         ``sparse(key)`` is true for weights the model uses sparsely (an embedding looks up
         the rows of its tokens): they are handed out as private file mappings, as the stock
@@ -547,6 +551,7 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         self._views: dict[str, tuple[Any, _Entry, int]] = {}  # key -> its mapping, not handed out
         self._mapped_groups: deque[str] = deque()            # groups with views kept, oldest first
         self._advised: dict[str, int] = {}                   # group -> bytes asked ahead, not used
+        self._ahead: int | None = None       # bytes to ask ahead (page-cache way), learnt once
         self.stats = LoaderStats()
         self._lock = threading.RLock()
         self._res = _Resources(max(1, int(max_open_files)))
@@ -740,6 +745,8 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         nbytes = 0
         for path, start, end, _ in _extents(entries):
             fd = self._res.mapfd(path, self.stats)
+            if cached_bytes(fd, start, end - start) >= end - start:
+                continue             # held already (a forward after the first): one cachestat
             chunk = _advice_chunk(self._res.devices[path])
             if wait:
                 _willneed(fd, start, end - start, chunk)
@@ -755,7 +762,12 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         """Ask for the groups that follow ``group`` (as recorded) to be read into the page
         cache, until ``read_ahead`` bytes are asked for and not used yet."""
         assert self._groups is not None
-        budget = _CACHE_AHEAD if self.read_ahead is None else self.read_ahead
+        if self._ahead is None:
+            # by default at most a quarter of the memory the page cache has (under a cgroup
+            # limit, the group's page cache counts against it), learnt once
+            self._ahead = (min(_CACHE_AHEAD, memory_for_cache() // 4)
+                           if self.read_ahead is None else self.read_ahead)
+        budget = self._ahead
         ahead = 0
         chain: dict[str, int] = {}       # what is asked ahead now (older asks are forgotten)
         nxt = self._successor(group)

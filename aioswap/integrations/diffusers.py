@@ -33,8 +33,11 @@ mtime, ctime) is used, its header is checked as above and the bytes read are has
 compared with the checksum of the weights; later onloads of the same version only compare
 the ``fstat``. A file replaced, rewritten, truncated or removed is therefore re-verified or
 refused with :class:`OffloadFileError`; it is never used silently. The data region is read
-in one ``O_DIRECT`` request into page-locked memory (from aioswap's locked-memory cache,
-given back when the group is offloaded again); each tensor is a view of it.
+in one request into page-locked memory (from aioswap's locked-memory cache, given back
+when the group is offloaded again); each tensor is a view of it. The request is an
+``O_DIRECT`` read, or, when the page cache holds the file (``cachestat``; ``AIOSWAP_READ``
+forces either way, see :mod:`aioswap.safetensors`), a copy from the page cache on aioswap's
+copy threads.
 
 The order in which groups are onloaded is recorded; as soon as a group's read is
 submitted, the files of the groups that followed it last time are submitted too (at least
@@ -63,10 +66,11 @@ import torch
 
 from aioswap import pinned
 from aioswap._aio import DEFAULT_ALIGNMENT as _ALIGN
+from aioswap._adaptive import Reader
 from aioswap._checksum import algorithms, host_bytes, new_hasher
 from aioswap._util import dist_version, first_error, import_for, round_up, write_atomic
 from aioswap.errors import AioswapError, AioswapWarning
-from aioswap.handle import AioFile, IOFuture, shared_handle
+from aioswap.handle import AioFile, shared_handle
 from aioswap.integrations.accelerate import OffloadFileError
 from aioswap.safetensors import Header, SafetensorsError, read_header, save_file
 
@@ -105,6 +109,7 @@ class OffloadStats:
     onloads: int = 0          # group onloads served
     readahead_hits: int = 0   # of them, served by a read submitted ahead
     bytes_read: int = 0       # bytes read from group files
+    cached_bytes: int = 0     # of them, copied from the page cache (the rest read direct)
     verified: int = 0         # file versions whose bytes were hashed and matched
     written: int = 0          # group files written
     reused: int = 0           # existing group files accepted at first offload
@@ -136,7 +141,8 @@ class _Read:
     check: bool                           # hash the bytes when they land
     buf: Optional[memoryview]
     start: int                            # file offset of buf[0]
-    futures: list[IOFuture] = field(default_factory=list)
+    reader: Reader                        # copies from the page cache or reads direct
+    futures: list[Any] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -235,23 +241,32 @@ def _submit(gf: _GroupFile) -> _Read:
         start = header.data_offset // _ALIGN * _ALIGN
         n = min(round_up(header.data_offset + header.data_bytes, _ALIGN), ident[2]) - start
         buf = memoryview(pinned.allocate(round_up(n, _ALIGN), strict=False)) if n > 0 else None
-        read = _Read(gf, f, ident, header, check, buf, start)
+        read = _Read(gf, f, ident, header, check, buf, start,
+                     Reader(None, f"diffusers group {gf.path}"))
         if buf is not None:
             dest = torch.frombuffer(buf, dtype=torch.uint8, count=n)
-            read.futures.append(h.pread(dest, f, start, async_op=True))
+            copy = read.reader.copies(f, start, n)     # the page cache holds the file
+            read.futures.append(read.reader.pread(f, dest, start, n, copy=copy))
             _stats.bytes_read += n
+            _stats.cached_bytes += n if copy else 0
         return read
     except BaseException:
         f.close()
         raise
 
 
+def _close_file(read: _Read) -> None:
+    """Close ``read``'s file and its reader (its reads are done)."""
+    if read.file is not None:
+        read.reader.close()
+        read.file.close()
+        read.file = None
+
+
 def _drop(read: _Read) -> None:
     """Wait for ``read`` (drain before release) and free it."""
     first_error(read.futures)
-    if read.file is not None:
-        read.file.close()
-        read.file = None
+    _close_file(read)
     read.buf = None
 
 
@@ -276,9 +291,7 @@ def _finish(read: _Read) -> dict[str, torch.Tensor]:
         gf.ident, gf.header, gf.nbytes = read.ident, header, header.data_bytes
         _stats.verified += 1
     out = {key: _view(buf, pos, n, dtype, shape) for key, dtype, shape, pos, n in places}
-    if read.file is not None:
-        read.file.close()
-        read.file = None
+    _close_file(read)
     read.buf = None                       # the views own the memory now
     return out
 
