@@ -34,13 +34,12 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-import numpy as np
-
 from aioswap import _aio, _bounce, _files, pinned
 from aioswap._buffers import Buffer, resolve
 from aioswap._files import AioFile, FileArg, PathLike, describe
 from aioswap._future import ENGINE as _FUTURES
 from aioswap._future import IOFuture
+from aioswap._staging import stage
 from aioswap._util import flat_bytes
 from aioswap.config import AioConfig, runtime_settings
 from aioswap.errors import DirectIOFallbackWarning, HandleClosedError, ShortReadError
@@ -1237,13 +1236,12 @@ class AioHandle:
 
     def _staged(self, req: _Request) -> int:
         """A non-contiguous (or conjugate/negative) buffer through a contiguous copy."""
-        mem = req.mem
-        tmp = _contiguous_like(mem, req.write)
+        tmp, back = stage(req.mem, req.write, req.nbytes)
         inner = _Request(req.write, resolve(tmp), req.file, req.offset, req.nbytes,
                          req.fsync, req.arg)
         done = self._execute_sync(inner)
-        if not req.write:
-            _copy_back(mem, tmp, req.nbytes)
+        if back is not None:
+            back()
         return done
 
     def _cuda(self, req: _Request) -> int:
@@ -1411,42 +1409,6 @@ def _drain(subs: Sequence[_aio.Request]) -> None:
         rq.cancel()
     for rq in subs:
         rq.drain(False)
-
-
-def _contiguous_like(mem: Buffer, write: bool) -> Any:
-    if mem.tensor is not None:
-        import torch
-
-        src = mem.tensor.detach()
-        if write:
-            return src.resolve_conj().resolve_neg().contiguous()
-        return torch.empty(src.shape, dtype=src.dtype, device=src.device)
-    arr = mem.array
-    return np.ascontiguousarray(arr) if write else np.empty(arr.shape, dtype=arr.dtype)
-
-
-def _copy_back(mem: Buffer, tmp: Any, n: int) -> None:
-    """Copy the first ``n`` bytes (whole elements, logical order) of ``tmp`` into ``mem``."""
-    if mem.tensor is not None:
-        dst = mem.tensor.detach()
-        if n == mem.nbytes:
-            dst.copy_(tmp)
-        else:
-            k = n // dst.element_size()
-            flat = dst.flatten()            # a copy, since dst is not contiguous
-            flat[:k] = tmp.reshape(-1)[:k]
-            dst.copy_(flat.view_as(dst))
-        return
-    arr = mem.array
-    if n == mem.nbytes:
-        np.copyto(arr, tmp)
-    else:
-        k = n // arr.itemsize
-        flat = arr.reshape(-1)              # a copy when arr is not contiguous
-        flat[:k] = tmp.reshape(-1)[:k]
-        if not np.shares_memory(flat, arr):
-            np.copyto(arr, flat.reshape(arr.shape))
-
 
 
 class _GeneralPath:
