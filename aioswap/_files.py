@@ -17,14 +17,11 @@ import stat
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import Any, Callable, Union
 
 from aioswap import _aio
 
 _log = logging.getLogger("aioswap")
-
-if TYPE_CHECKING:
-    from aioswap.handle import AioHandle
 
 __all__ = ["IDLE_CLOSE_S", "AioFile", "FileArg", "PathLike", "Sweeper", "check_fd",
            "check_kind", "deleted", "describe", "sweeper"]
@@ -97,7 +94,7 @@ def check_kind(st: os.stat_result, name: str) -> None:
 AioFile = _aio.AioFile
 
 
-def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
+def open_path(handle: object | None, path: PathLike, mode: str, *,
               perm: int = DEFAULT_FILE_MODE,
               on_buffered: Any = None, direct: bool = True,
               follow_symlinks: bool = True, core: _aio.Core | None = None) -> AioFile:
@@ -171,7 +168,7 @@ def check_fd(fd: int, write: bool) -> tuple[int, os.stat_result]:
     return fl, st
 
 
-def open_fd(handle: AioHandle | None, fd: int, write: bool, *,
+def open_fd(handle: object | None, fd: int, write: bool, *,
             on_buffered: Any = None, direct: bool = True,
             checked: tuple[int, os.stat_result] | None = None,
             core: _aio.Core | None = None) -> AioFile:

@@ -32,7 +32,7 @@ import queue
 import threading
 import warnings
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Callable, Literal, overload
 
 from aioswap import _aio, _bounce, _files, pinned
 from aioswap._buffers import Buffer, resolve
@@ -50,14 +50,24 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Self
 
-    from aioswap.stripe import StripedFile
-
 __all__ = ["AioFile", "AioHandle", "DeviceTransport", "HandleStats", "IOFuture",
            "shared_handle"]
 
 _log = logging.getLogger("aioswap")
 
 _MAX_FILES = 64             # files a handle keeps open for path and fd arguments
+
+#: What :meth:`AioHandle.open` calls for a list of paths: :func:`aioswap.stripe.open_striped`,
+#: handed in by :mod:`aioswap.stripe` when it is imported (the package imports it), so that
+#: this module stays below the one that builds on it.
+_striped_opener: Callable[..., Any] | None = None
+
+
+def set_striped_opener(opener: Callable[..., Any]) -> None:
+    """Make ``opener`` (the signature of :func:`aioswap.stripe.open_striped`) what
+    :meth:`AioHandle.open` calls for a list or tuple of paths."""
+    global _striped_opener
+    _striped_opener = opener
 
 
 @dataclass
@@ -448,10 +458,10 @@ class AioHandle:
     @overload
     def open(self, path: list[PathLike] | tuple[PathLike, ...], mode: str = ..., *,
              perm: int = ..., stripe: int | None = ...,
-             follow_symlinks: bool = ...) -> StripedFile: ...
+             follow_symlinks: bool = ...) -> Any: ...
 
     def open(self, path: Any, mode: str = "r", *, perm: int = _files.DEFAULT_FILE_MODE,
-             stripe: int | None = None, follow_symlinks: bool = True) -> AioFile | StripedFile:
+             stripe: int | None = None, follow_symlinks: bool = True) -> Any:
         """Open ``path`` once for many requests.
 
         A list or tuple of paths (one part file per drive) opens one striped file over
@@ -472,14 +482,15 @@ class AioHandle:
 
         Returns
         -------
-        AioFile
+        AioFile or StripedFile
             A context manager with ``pread``/``pwrite``/``fsync``/``fileno``/``close``;
             ``open``/``fstat``/``statx`` are paid once.
         """
         if isinstance(path, (list, tuple)):
-            from aioswap import stripe as _stripe
-            return _stripe.open_striped(self, path, mode, stripe=stripe, perm=perm,
-                                        follow_symlinks=follow_symlinks)
+            if _striped_opener is None:
+                raise RuntimeError("striped files need aioswap.stripe, which is not imported")
+            return _striped_opener(self, path, mode, stripe=stripe, perm=perm,
+                                   follow_symlinks=follow_symlinks)
         self._check(f"open of {describe(path)}")
         return _files.open_path(self, path, mode, perm=perm, on_buffered=self._buffered_warn,
                                 direct=not self._buffered_only,

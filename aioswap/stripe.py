@@ -81,7 +81,7 @@ from aioswap._files import DEFAULT_FILE_MODE, PathLike
 from aioswap._staging import stage
 from aioswap._util import first_error, flat_bytes, round_up, write_atomic
 from aioswap.errors import HandleClosedError, ShortReadError
-from aioswap.handle import AioFile, AioHandle, IOFuture
+from aioswap.handle import AioFile, AioHandle, IOFuture, set_striped_opener
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -1176,3 +1176,6 @@ def open_striped(handle: AioHandle, paths: Sequence[PathLike], mode: str = "r", 
     """
     return StripedFile(handle, paths, mode, stripe=stripe, perm=perm,
                        follow_symlinks=follow_symlinks)
+
+
+set_striped_opener(open_striped)
