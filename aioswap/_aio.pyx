@@ -10,9 +10,10 @@ three backends: io_uring (``_uring.h``: raw ``io_uring_setup``/``io_uring_enter`
 ``io_getevents`` with the structs of ``<linux/aio_abi.h>``) and positional I/O on worker
 threads (``_kthreads.h``). All system calls go through ``syscall(2)``: neither liburing nor
 libaio(-dev) is needed to build or run. A request is one :class:`Request` object from
-submission to its result. Also here: ``open_direct``, ``dio_alignment``, ``aio_available``
-and :class:`LockedMemory`. Nothing here knows about torch: requests carry raw addresses
-whose owners the queue keeps alive (``owner``) until the request is finished and seen.
+submission to its result. Also here: ``open_file`` (the one ``O_DIRECT`` opener),
+``open_direct``, ``dio_alignment``, ``aio_available`` and :class:`LockedMemory`. Nothing
+here knows about torch: requests carry raw addresses whose owners the queue keeps alive
+(``owner``) until the request is finished and seen.
 """
 cimport cython
 cimport aioswap._aio_abi as abi

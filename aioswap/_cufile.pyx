@@ -23,7 +23,7 @@ memory is a raw address whose owner the caller keeps alive.
 cimport aioswap._cufile_api as cf
 from cpython.exc cimport PyErr_CheckSignals
 cimport libc.errno as cerrno
-from libc.errno cimport EINTR, EINVAL, EIO
+from libc.errno cimport EINTR, EIO
 from libc.stdint cimport uintptr_t
 from libc.string cimport memset
 from posix.dlfcn cimport RTLD_LOCAL, RTLD_NOW, dlclose, dlerror, dlopen, dlsym
@@ -39,8 +39,8 @@ import threading
 import warnings
 
 from aioswap import _cufile_load as _policy
-from aioswap.errors import (CuFileError, CuFileUnavailable, DirectIOUnsupportedError,
-                            HandleClosedError, ShortReadError)
+from aioswap._aio import open_file
+from aioswap.errors import CuFileError, CuFileUnavailable, HandleClosedError, ShortReadError
 
 __all__ = [
     "CuFileHandle",
@@ -832,7 +832,9 @@ cdef class CuFileHandle:
             key = ("fd", fd, st.st_dev, st.st_ino)
         else:
             self._path = os.fsdecode(file)
-            fd = _open_file(self._path, write, create, truncate, direct, mode)
+            fd = open_file(self._path, (os.O_RDWR if write else os.O_RDONLY)
+                           | (os.O_CREAT if create else 0) | (os.O_TRUNC if truncate else 0),
+                           mode, direct=direct)[0]
             owns = True
             try:
                 st = os.fstat(fd)
@@ -1018,30 +1020,6 @@ cdef class CuFileHandle:
             f"{op} of {n} bytes at file offset {foff}{_in(self._path)} reached end of file at "
             f"offset {foff + r.done} ({r.done} bytes read)",
             path=self._path, offset=foff, nbytes=n, file_size=_fd_size(self._fd))
-
-
-cdef int _open_file(str path, bint write, bint create, bint truncate, bint direct,
-                    int mode) except -1:
-    flags = os.O_CLOEXEC | (os.O_RDWR if write else os.O_RDONLY)
-    if create:
-        flags |= os.O_CREAT
-    if truncate:
-        flags |= os.O_TRUNC
-    if not direct:
-        return os.open(path, flags, mode)
-    existed = os.path.lexists(path) if create else True
-    try:
-        return os.open(path, flags | os.O_DIRECT, mode)
-    except OSError as exc:
-        if exc.errno != EINVAL:
-            raise
-        if not existed:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        raise DirectIOUnsupportedError(exc.errno, f"the file system refuses O_DIRECT for "
-                                                  f"{path!r}", path) from None
 
 
 cdef str _in(object path):

@@ -17,14 +17,11 @@ import stat
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import Any, Callable, Union
 
 from aioswap import _aio
 
 _log = logging.getLogger("aioswap")
-
-if TYPE_CHECKING:
-    from aioswap.handle import AioHandle
 
 __all__ = ["IDLE_CLOSE_S", "AioFile", "FileArg", "PathLike", "Sweeper", "check_fd",
            "check_kind", "deleted", "describe", "sweeper"]
@@ -97,7 +94,7 @@ def check_kind(st: os.stat_result, name: str) -> None:
 AioFile = _aio.AioFile
 
 
-def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
+def open_path(handle: object | None, path: PathLike, mode: str, *,
               perm: int = DEFAULT_FILE_MODE,
               on_buffered: Any = None, direct: bool = True,
               follow_symlinks: bool = True, core: _aio.Core | None = None) -> AioFile:
@@ -111,22 +108,12 @@ def open_path(handle: AioHandle | None, path: PathLike, mode: str, *,
     name = repr(os.fsdecode(path))
     # O_NONBLOCK: a FIFO in place of a data file must not block the open (it is refused
     # below); it changes nothing for regular files and block devices.
-    base = flags | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
-    refused = False
+    base = flags | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
     try:
-        if not direct:
-            fd = os.open(path, base, perm)
-        else:
-            try:
-                fd = os.open(path, base | os.O_DIRECT, perm)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                # O_EXCL: the refused open may have created the file (the kernel checks
-                # O_DIRECT after creating it), and nobody else could have; O_TRUNC stays
-                # (the refused open never got to truncating)
-                fd = os.open(path, base & ~os.O_EXCL if flags & os.O_EXCL else base, perm)
-                direct, refused = False, True
+        # a file system that refuses O_DIRECT: buffered I/O (O_TRUNC stays: the refused
+        # open never got to truncating)
+        fd, got = _aio.open_file(path, base, perm, direct=direct, fallback=True)
+        refused, direct = direct and not got, got
     except IsADirectoryError:
         raise IsADirectoryError(errno.EISDIR, "is a directory", name) from None
     except OSError as exc:
@@ -171,7 +158,7 @@ def check_fd(fd: int, write: bool) -> tuple[int, os.stat_result]:
     return fl, st
 
 
-def open_fd(handle: AioHandle | None, fd: int, write: bool, *,
+def open_fd(handle: object | None, fd: int, write: bool, *,
             on_buffered: Any = None, direct: bool = True,
             checked: tuple[int, os.stat_result] | None = None,
             core: _aio.Core | None = None) -> AioFile:
@@ -185,7 +172,7 @@ def open_fd(handle: AioHandle | None, fd: int, write: bool, *,
         # edge blocks of unaligned writes are read-modify-written: a write-only fd needs a
         # descriptor of our own that can read (when permissions allow; else buffered I/O)
         try:
-            own = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+            own = _aio.open_file(f"/proc/self/fd/{fd}", os.O_RDWR, 0)[0]
             acc = os.O_RDWR
         except OSError as exc:
             if exc.errno not in (errno.EACCES, errno.EPERM, errno.EINVAL):
@@ -200,9 +187,8 @@ def open_fd(handle: AioHandle | None, fd: int, write: bool, *,
         # a descriptor of our own with the O_DIRECT we want (the caller's fd, its offset and
         # flags are untouched: F_SETFL on a dup would change them too)
         try:
-            own = os.open(f"/proc/self/fd/{fd}", acc | (os.O_DIRECT if direct else 0)
-                          | os.O_CLOEXEC)
-        except OSError as exc:
+            own = _aio.open_file(f"/proc/self/fd/{fd}", acc, 0, direct=direct)[0]
+        except OSError as exc:       # DirectIOUnsupportedError is one, with EINVAL
             if exc.errno != errno.EINVAL or not direct:
                 raise
             own = os.dup(fd)

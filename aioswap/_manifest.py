@@ -28,7 +28,7 @@ from typing import Any
 
 from aioswap import _owner
 from aioswap._units import shape_fits
-from aioswap._util import fsync_dir, is_atomic_tmp
+from aioswap._util import fsync_dir, is_atomic_tmp, write_atomic
 from aioswap.errors import SwapError
 from aioswap.stripe import LAYOUT_SUFFIX as STRIPE_SUFFIX
 
@@ -368,9 +368,6 @@ class SwapDirectory:
 
     def join(self, fname: str) -> str:
         return os.path.join(self.path, fname)
-
-    def fsync(self) -> None:
-        os.fsync(self.dir_fd)
 
     def create(self, fname: str) -> int:
         """Create ``fname`` exclusively (never through a symlink), with exactly ``mode``."""
@@ -765,33 +762,16 @@ class Manifest:
         if trees:
             doc["trees"] = {p: t.to_json() for p, t in trees.items()}
         data = json.dumps(doc, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-        tmp = self._dir.join(MANIFEST_TMP)
-        renaming = False
-        try:
-            self._dir.unlink(MANIFEST_TMP)
-            fd = self._dir.create(MANIFEST_TMP)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            self._dir.fsync()           # the data files it names are durable entries first
-            renaming = True
-            os.replace(tmp, self.path)
+
+        def renamed() -> None:
             self._published = marker
             self.version = VERSION
-            self._dir.fsync()
-        except BaseException:
-            # the rename happened iff the temporary name is gone (checked, not tracked: a
-            # signal may land between os.replace returning and the marker being set)
-            if renaming and not os.path.lexists(tmp):
-                self._published = marker
-                self.version = VERSION
-            else:
-                self._dir.unlink(MANIFEST_TMP)
-            raise
+
+        self._dir.unlink(MANIFEST_TMP)
+        # the directory is fsynced before the rename: the data files the manifest names are
+        # durable entries first
+        write_atomic(self.path, data, self._dir.mode, tmp=self._dir.join(MANIFEST_TMP),
+                     sync_dir_first=True, renamed=renamed)
 
     def exclusive(self) -> threading.Lock:
         """The lock held while the manifest is written (hold it to keep writers out)."""

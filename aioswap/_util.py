@@ -9,7 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["first_error", "flat_bytes", "fsync_dir", "is_atomic_tmp", "round_up", "unique_keys",
            "wait_all", "write_atomic"]
@@ -45,17 +45,28 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o600, *,
-                 durable: bool = True) -> None:
-    """Write ``data`` as file ``path`` atomically: a uniquely named temporary file beside it
-    (``<path>.<pid>-<random>.tmp``, created exclusively, so never through a planted link,
-    with exactly the permission bits ``mode``), renamed over ``path``. ``durable``: the
-    temporary is fsynced before the rename and the directory after it. A crash leaves the
-    old file (and perhaps a temporary, which :func:`is_atomic_tmp` recognises); an error
-    leaves the old file and no temporary."""
+                 durable: bool = True, tmp: str | None = None, sync_dir_first: bool = False,
+                 renamed: Callable[[], None] | None = None) -> None:
+    """Write ``data`` as file ``path`` atomically: a temporary file beside it (created
+    exclusively, so never through a planted link, with exactly the permission bits
+    ``mode``), renamed over ``path``. ``durable``: the temporary is fsynced before the
+    rename and the directory after it. A crash leaves the old file (and perhaps a
+    temporary, which :func:`is_atomic_tmp` recognises); an error before the rename leaves
+    the old file and no temporary.
+
+    ``tmp``: the temporary's path (default ``<path>.<pid>-<random>.tmp``, unique).
+    ``sync_dir_first``: fsync the directory before the rename too, so that files the new
+    contents name, made in that directory, are durable before it. ``renamed`` is called
+    once the new file is in place, also when an error or a signal comes after the rename
+    (the error is raised after it).
+    """
     path = os.fspath(path)
-    tmp = f"{path}.{os.getpid()}-{os.urandom(6).hex()}.tmp"
+    if tmp is None:
+        tmp = f"{path}.{os.getpid()}-{os.urandom(6).hex()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
                  mode)
+    directory = os.path.dirname(path) or "."
+    renaming = told = False
     try:
         try:
             os.fchmod(fd, mode)
@@ -66,15 +77,27 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o600, *
                 os.fsync(fd)
         finally:
             os.close(fd)
+        if sync_dir_first:
+            fsync_dir(directory)
+        renaming = True
         os.replace(tmp, path)
+        if renamed is not None:
+            renamed()
+        told = True
+        if durable:
+            fsync_dir(directory)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        # the rename happened iff the temporary name is gone (checked, not tracked: a
+        # signal may land between os.replace returning and renamed being called)
+        if renaming and not os.path.lexists(tmp):
+            if renamed is not None and not told:
+                renamed()
+        else:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
         raise
-    if durable:
-        fsync_dir(os.path.dirname(path) or ".")
 
 
 def is_atomic_tmp(name: str, of: str) -> bool:

@@ -32,15 +32,14 @@ import queue
 import threading
 import warnings
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal, overload
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable, Literal, overload
 
 from aioswap import _aio, _bounce, _files, pinned
 from aioswap._buffers import Buffer, resolve
 from aioswap._files import AioFile, FileArg, PathLike, describe
 from aioswap._future import ENGINE as _FUTURES
 from aioswap._future import IOFuture
+from aioswap._staging import stage
 from aioswap._util import flat_bytes
 from aioswap.config import AioConfig, runtime_settings
 from aioswap.errors import DirectIOFallbackWarning, HandleClosedError, ShortReadError
@@ -51,14 +50,24 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Self
 
-    from aioswap.stripe import StripedFile
-
 __all__ = ["AioFile", "AioHandle", "DeviceTransport", "HandleStats", "IOFuture",
            "shared_handle"]
 
 _log = logging.getLogger("aioswap")
 
 _MAX_FILES = 64             # files a handle keeps open for path and fd arguments
+
+#: What :meth:`AioHandle.open` calls for a list of paths: :func:`aioswap.stripe.open_striped`,
+#: handed in by :mod:`aioswap.stripe` when it is imported (the package imports it), so that
+#: this module stays below the one that builds on it.
+_striped_opener: Callable[..., Any] | None = None
+
+
+def set_striped_opener(opener: Callable[..., Any]) -> None:
+    """Make ``opener`` (the signature of :func:`aioswap.stripe.open_striped`) what
+    :meth:`AioHandle.open` calls for a list or tuple of paths."""
+    global _striped_opener
+    _striped_opener = opener
 
 
 @dataclass
@@ -449,10 +458,10 @@ class AioHandle:
     @overload
     def open(self, path: list[PathLike] | tuple[PathLike, ...], mode: str = ..., *,
              perm: int = ..., stripe: int | None = ...,
-             follow_symlinks: bool = ...) -> StripedFile: ...
+             follow_symlinks: bool = ...) -> Any: ...
 
     def open(self, path: Any, mode: str = "r", *, perm: int = _files.DEFAULT_FILE_MODE,
-             stripe: int | None = None, follow_symlinks: bool = True) -> AioFile | StripedFile:
+             stripe: int | None = None, follow_symlinks: bool = True) -> Any:
         """Open ``path`` once for many requests.
 
         A list or tuple of paths (one part file per drive) opens one striped file over
@@ -473,14 +482,15 @@ class AioHandle:
 
         Returns
         -------
-        AioFile
+        AioFile or StripedFile
             A context manager with ``pread``/``pwrite``/``fsync``/``fileno``/``close``;
             ``open``/``fstat``/``statx`` are paid once.
         """
         if isinstance(path, (list, tuple)):
-            from aioswap import stripe as _stripe
-            return _stripe.open_striped(self, path, mode, stripe=stripe, perm=perm,
-                                        follow_symlinks=follow_symlinks)
+            if _striped_opener is None:
+                raise RuntimeError("striped files need aioswap.stripe, which is not imported")
+            return _striped_opener(self, path, mode, stripe=stripe, perm=perm,
+                                   follow_symlinks=follow_symlinks)
         self._check(f"open of {describe(path)}")
         return _files.open_path(self, path, mode, perm=perm, on_buffered=self._buffered_warn,
                                 direct=not self._buffered_only,
@@ -1237,13 +1247,12 @@ class AioHandle:
 
     def _staged(self, req: _Request) -> int:
         """A non-contiguous (or conjugate/negative) buffer through a contiguous copy."""
-        mem = req.mem
-        tmp = _contiguous_like(mem, req.write)
+        tmp, back = stage(req.mem, req.write, req.nbytes)
         inner = _Request(req.write, resolve(tmp), req.file, req.offset, req.nbytes,
                          req.fsync, req.arg)
         done = self._execute_sync(inner)
-        if not req.write:
-            _copy_back(mem, tmp, req.nbytes)
+        if back is not None:
+            back()
         return done
 
     def _cuda(self, req: _Request) -> int:
@@ -1411,42 +1420,6 @@ def _drain(subs: Sequence[_aio.Request]) -> None:
         rq.cancel()
     for rq in subs:
         rq.drain(False)
-
-
-def _contiguous_like(mem: Buffer, write: bool) -> Any:
-    if mem.tensor is not None:
-        import torch
-
-        src = mem.tensor.detach()
-        if write:
-            return src.resolve_conj().resolve_neg().contiguous()
-        return torch.empty(src.shape, dtype=src.dtype, device=src.device)
-    arr = mem.array
-    return np.ascontiguousarray(arr) if write else np.empty(arr.shape, dtype=arr.dtype)
-
-
-def _copy_back(mem: Buffer, tmp: Any, n: int) -> None:
-    """Copy the first ``n`` bytes (whole elements, logical order) of ``tmp`` into ``mem``."""
-    if mem.tensor is not None:
-        dst = mem.tensor.detach()
-        if n == mem.nbytes:
-            dst.copy_(tmp)
-        else:
-            k = n // dst.element_size()
-            flat = dst.flatten()            # a copy, since dst is not contiguous
-            flat[:k] = tmp.reshape(-1)[:k]
-            dst.copy_(flat.view_as(dst))
-        return
-    arr = mem.array
-    if n == mem.nbytes:
-        np.copyto(arr, tmp)
-    else:
-        k = n // arr.itemsize
-        flat = arr.reshape(-1)              # a copy when arr is not contiguous
-        flat[:k] = tmp.reshape(-1)[:k]
-        if not np.shares_memory(flat, arr):
-            np.copyto(arr, flat.reshape(arr.shape))
-
 
 
 class _GeneralPath:

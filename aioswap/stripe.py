@@ -78,9 +78,10 @@ import numpy as np
 from aioswap import _aio
 from aioswap._buffers import resolve
 from aioswap._files import DEFAULT_FILE_MODE, PathLike
+from aioswap._staging import stage
 from aioswap._util import first_error, flat_bytes, round_up, write_atomic
 from aioswap.errors import HandleClosedError, ShortReadError
-from aioswap.handle import AioFile, AioHandle, IOFuture
+from aioswap.handle import AioFile, AioHandle, IOFuture, set_striped_opener
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -585,30 +586,10 @@ class StripedFile:
             raise ValueError(f"read of {count} bytes from {self.name} into a read-only buffer "
                              f"({type(buffer).__name__})")
         after: Callable[[], None] | None = None
-        if mem.tensor is not None:
-            t = mem.tensor
-            if mem.contiguous or write:
-                flat = flat_bytes(t)
-            else:
-                tmp = t.detach().resolve_conj().resolve_neg().contiguous()
-                flat = flat_bytes(tmp)
-
-                def after_t() -> None:
-                    t.detach().copy_(tmp)
-                after = after_t
-        else:
-            arr = mem.array
-            if mem.contiguous:
-                flat = arr.reshape(-1).view(np.uint8)
-            elif write:
-                flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-            else:
-                tmp_a = np.ascontiguousarray(arr)
-                flat = tmp_a.reshape(-1).view(np.uint8)
-
-                def after_a() -> None:
-                    np.copyto(arr, tmp_a)
-                after = after_a
+        data = mem.tensor if mem.tensor is not None else mem.array
+        if not mem.contiguous:
+            data, after = stage(mem, write, count)
+        flat = flat_bytes(data) if mem.tensor is not None else data.reshape(-1).view(np.uint8)
         return flat, count, after
 
     def _request(self, write: bool, buffer: Any, offset: Any, nbytes: Any, async_op: bool,
@@ -1195,3 +1176,6 @@ def open_striped(handle: AioHandle, paths: Sequence[PathLike], mode: str = "r", 
     """
     return StripedFile(handle, paths, mode, stripe=stripe, perm=perm,
                        follow_symlinks=follow_symlinks)
+
+
+set_striped_opener(open_striped)

@@ -56,6 +56,84 @@ def test_private_import_check_catches_one(tmp_path: Path) -> None:
         fake.unlink()
 
 
+
+# ---- no circles: the import picture of the package's modules is a DAG -------------------
+def _module_of(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports: every ``import``, at module level, inside
+    functions and under ``TYPE_CHECKING`` alike (``from pkg import mod`` is an import of
+    ``pkg.mod``; of a name, an import of ``pkg``). Extensions (``.pyx``) are modules too."""
+    paths = {_module_of(p, root): p for p in sorted((root / package).rglob("*.py"))}
+    known = set(paths) | {_module_of(p, root) for p in (root / package).rglob("*.pyx")}
+    graph: dict[str, set[str]] = {}
+    for me, path in paths.items():
+        here = me if path.name == "__init__.py" else me.rpartition(".")[0]
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = here.split(".")[:len(here.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                         for a in node.names]
+            else:
+                continue
+            out.update(n for n in names if n in known and n != me)
+        graph[me] = out
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One circle of imports (``[a, b, a]``), or ``[]`` when the graph is a DAG."""
+    state: dict[str, int] = {}          # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str]:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                return path[path.index(n):] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        path.pop()
+        state[m] = 2
+        return []
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return []
+
+
+def test_no_import_circles() -> None:
+    """Each module sits below the ones that import it (the engine below the handle, the
+    handle below striping); a module that needs one above it is handed what it uses."""
+    cycle = _cycle(_import_graph(ROOT, "aioswap"))
+    assert not cycle, "import circle: " + " -> ".join(cycle)
+
+
+def test_import_circle_check_catches_one(tmp_path: Path) -> None:
+    """The check above can fail: a circle through a function-local import and a
+    ``TYPE_CHECKING`` one is found and named."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low.py").write_text("from typing import TYPE_CHECKING\n"
+                                "if TYPE_CHECKING:\n    from pkg.top import Top\n")
+    (pkg / "mid.py").write_text("from pkg import low\n")
+    (pkg / "top.py").write_text("def f():\n    from . import mid\n")
+    assert _cycle(_import_graph(tmp_path, "pkg")) == ["pkg.low", "pkg.top", "pkg.mid",
+                                                      "pkg.low"]
+
+
 # ---- attribute reaches into another module's private names, in .py, .pyx and .pxi alike
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 # Third-party internals the package uses on purpose, each in one module, with the reason.

@@ -1,4 +1,4 @@
-# System calls and probes: errno checks and hints, the one O_DIRECT opener, the
+# System calls and probes: errno checks and hints, the one O_DIRECT opener (open_file), the
 # file's DIO alignment, the statx-lite stat of a path or fd.
 # Part of aioswap/_aio.pyx (included there, one module).
 
@@ -62,6 +62,41 @@ cdef str _aio_limits_hint(int e):
     return f" (fs.aio-nr={nr} of fs.aio-max-nr={mx}; raise it with sysctl fs.aio-max-nr)"
 
 
+def open_file(path, int flags, int mode, *, bint direct=True, bint fallback=False):
+    """Open ``path`` with ``flags`` (``O_CLOEXEC`` added) and, where ``direct`` asks for it,
+    ``O_DIRECT``: the one opener of files for direct I/O. Returns ``(fd, direct)``, whether
+    the fd has ``O_DIRECT``.
+
+    A file system that refuses ``O_DIRECT`` (EINVAL at open): with ``fallback`` the file is
+    opened without it (and without ``O_EXCL``: the kernel checks ``O_DIRECT`` after creating
+    the file, so the refused open may have created it, and nobody else could have);
+    otherwise a file this call created is removed again and DirectIOUnsupportedError is
+    raised (IsADirectoryError for a directory, where ``O_DIRECT`` is EINVAL on any file
+    system).
+    """
+    flags |= os.O_CLOEXEC
+    if not direct:
+        return os.open(path, flags, mode), False
+    existed = os.path.lexists(path) if flags & os.O_CREAT else True
+    try:
+        return os.open(path, flags | os.O_DIRECT, mode), True
+    except OSError as exc:
+        if exc.errno != EINVAL:
+            raise
+    if fallback:
+        return os.open(path, flags & ~os.O_EXCL, mode), False
+    if os.path.isdir(path):
+        raise IsADirectoryError(EISDIR, "is a directory", os.fsdecode(path))
+    if not existed:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    raise DirectIOUnsupportedError(
+        EINVAL, f"the file system refuses O_DIRECT for {os.fsdecode(path)!r}",
+        os.fsdecode(path))
+
+
 def open_direct(path, *, bint write=False, bint create=False, bint truncate=False,
                 int mode=0o644):
     """Open ``path`` with ``O_DIRECT``; return the fd.
@@ -74,27 +109,9 @@ def open_direct(path, *, bint write=False, bint create=False, bint truncate=Fals
     FileNotFoundError, IsADirectoryError, PermissionError
         As ``os.open`` raises them.
     """
-    flags = os.O_DIRECT | os.O_CLOEXEC | (os.O_RDWR if write else os.O_RDONLY)
-    if create:
-        flags |= os.O_CREAT
-    if truncate:
-        flags |= os.O_TRUNC
-    existed = os.path.lexists(path) if create else True
-    try:
-        return os.open(path, flags, mode)
-    except OSError as exc:
-        if exc.errno != EINVAL:
-            raise
-        if os.path.isdir(path):     # O_DIRECT on a directory is EINVAL on any file system
-            raise IsADirectoryError(EISDIR, "is a directory", os.fsdecode(path)) from None
-        if not existed:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        raise DirectIOUnsupportedError(
-            EINVAL, f"the file system refuses O_DIRECT for {os.fsdecode(path)!r}",
-            os.fsdecode(path)) from None
+    flags = ((os.O_RDWR if write else os.O_RDONLY) | (os.O_CREAT if create else 0)
+             | (os.O_TRUNC if truncate else 0))
+    return open_file(path, flags, mode)[0]
 
 
 def dio_alignment(file):
