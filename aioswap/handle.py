@@ -50,6 +50,8 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Self
 
+    from aioswap.stripe import StripedFile     # types only: stripe imports this module
+
 __all__ = ["AioFile", "AioHandle", "DeviceTransport", "HandleStats", "IOFuture",
            "shared_handle"]
 
@@ -60,10 +62,10 @@ _MAX_FILES = 64             # files a handle keeps open for path and fd argument
 #: What :meth:`AioHandle.open` calls for a list of paths: :func:`aioswap.stripe.open_striped`,
 #: handed in by :mod:`aioswap.stripe` when it is imported (the package imports it), so that
 #: this module stays below the one that builds on it.
-_striped_opener: Callable[..., Any] | None = None
+_striped_opener: Callable[..., StripedFile] | None = None
 
 
-def set_striped_opener(opener: Callable[..., Any]) -> None:
+def set_striped_opener(opener: Callable[..., StripedFile]) -> None:
     """Make ``opener`` (the signature of :func:`aioswap.stripe.open_striped`) what
     :meth:`AioHandle.open` calls for a list or tuple of paths."""
     global _striped_opener
@@ -458,10 +460,10 @@ class AioHandle:
     @overload
     def open(self, path: list[PathLike] | tuple[PathLike, ...], mode: str = ..., *,
              perm: int = ..., stripe: int | None = ...,
-             follow_symlinks: bool = ...) -> Any: ...
+             follow_symlinks: bool = ...) -> StripedFile: ...
 
     def open(self, path: Any, mode: str = "r", *, perm: int = _files.DEFAULT_FILE_MODE,
-             stripe: int | None = None, follow_symlinks: bool = True) -> Any:
+             stripe: int | None = None, follow_symlinks: bool = True) -> AioFile | StripedFile:
         """Open ``path`` once for many requests.
 
         A list or tuple of paths (one part file per drive) opens one striped file over

@@ -64,16 +64,23 @@ def _module_of(path: Path, root: Path) -> str:
 
 
 def _import_graph(root: Path, package: str) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports: every ``import``, at module level, inside
-    functions and under ``TYPE_CHECKING`` alike (``from pkg import mod`` is an import of
-    ``pkg.mod``; of a name, an import of ``pkg``). Extensions (``.pyx``) are modules too."""
+    """Module -> the package's modules it imports when it runs: every ``import``, at module
+    level and inside functions alike (``from pkg import mod`` is an import of ``pkg.mod``;
+    of a name, an import of ``pkg``), but not those under ``if TYPE_CHECKING:``, which name
+    types for checkers and never run. Extensions (``.pyx``) are modules too."""
     paths = {_module_of(p, root): p for p in sorted((root / package).rglob("*.py"))}
     known = set(paths) | {_module_of(p, root) for p in (root / package).rglob("*.pyx")}
     graph: dict[str, set[str]] = {}
     for me, path in paths.items():
         here = me if path.name == "__init__.py" else me.rpartition(".")[0]
         out: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                       and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+                       for stmt in block.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -121,17 +128,19 @@ def test_no_import_circles() -> None:
 
 
 def test_import_circle_check_catches_one(tmp_path: Path) -> None:
-    """The check above can fail: a circle through a function-local import and a
-    ``TYPE_CHECKING`` one is found and named."""
+    """The check above can fail: a circle through function-local imports is found and
+    named; an import under ``TYPE_CHECKING`` (types only) makes none."""
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "low.py").write_text("from typing import TYPE_CHECKING\n"
-                                "if TYPE_CHECKING:\n    from pkg.top import Top\n")
+    (pkg / "low.py").write_text("def g():\n    from pkg.top import Top\n")
     (pkg / "mid.py").write_text("from pkg import low\n")
     (pkg / "top.py").write_text("def f():\n    from . import mid\n")
     assert _cycle(_import_graph(tmp_path, "pkg")) == ["pkg.low", "pkg.top", "pkg.mid",
                                                       "pkg.low"]
+    (pkg / "low.py").write_text("from typing import TYPE_CHECKING\n"
+                                "if TYPE_CHECKING:\n    from pkg.top import Top\n")
+    assert _cycle(_import_graph(tmp_path, "pkg")) == []
 
 
 # ---- attribute reaches into another module's private names, in .py, .pyx and .pxi alike
