@@ -534,3 +534,22 @@ def test_disk_offload_written_by_aioswap_read_by_stock(model_dir: tuple[Path, di
                                                           dtype=ref["logits"].dtype)
     fresh.load_state_dict({k: stock[k] for k in fresh.state_dict()})
     _assert_same(_run(fresh), ref)
+
+
+def test_held_samples_the_range(tmp_path: Path) -> None:
+    """The page-cache way's check that a range is cached: true when all of it is, false
+    when it was dropped or only its first half is cached (the samples reach the end)."""
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(64 * 4096 + 100))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        n = path.stat().st_size
+        os.pread(fd, n, 0)
+        assert ia._held(fd, 0, n) and ia._held(fd, 4096 * 3 + 7, 5000)
+        _drop([path])
+        assert not ia._held(fd, 0, n)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)     # no read-ahead
+        os.pread(fd, n // 2, 0)
+        assert ia._held(fd, 0, n // 2 - 4096) and not ia._held(fd, 0, n)
+    finally:
+        os.close(fd)
