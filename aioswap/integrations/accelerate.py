@@ -33,13 +33,17 @@ every forward and lets page faults bring the bytes in, one weight at a time. Her
 Through the page cache:
 
 * A group's tensors are views of one private (copy-on-write) mapping per extent, as the
-  stock loader maps shards; the mapping is faulted in with one ``MADV_POPULATE_READ`` call
-  (the GIL released): one wait for the extent instead of a page fault per 4 KiB.
-* Before a group is mapped, the kernel is asked to read it and the groups that follow it,
-  up to ``read_ahead`` bytes (by default 1 GiB, at most a quarter of
-  :func:`memory_for_cache`), into the page cache (``posix_fadvise(WILLNEED)``, the
-  following ones on a background thread; nothing for a range the cache holds already):
-  the drive works through them in large requests, queued deep, while this group computes.
+  stock loader maps shards. An extent the page cache does not hold is faulted in with one
+  ``MADV_POPULATE_READ`` call (the GIL released): one wait for the extent instead of a
+  page fault per 4 KiB; one it holds (8 pages sampled with ``cachestat``) is left to the
+  faults of its use.
+* When a group is mapped, the groups that follow it, up to ``read_ahead`` bytes (by
+  default 1 GiB, at most a quarter of :func:`memory_for_cache`), are read into the page
+  cache by two read-ahead threads, 16 MiB at a time, while this group computes (nothing
+  for a range the cache holds). They read by faulting in a shared mapping, so the kernel's
+  read-ahead fills the cache with large folios: ``posix_fadvise(WILLNEED)`` would fill it
+  with 4 KiB pages, and mapping, faulting and unmapping those on every later forward costs
+  about 14 times more.
 * A tensor keeps its mapping alive; the mapping goes with the last tensor, and its pages
   stay in the cache for the next forward.
 
@@ -234,32 +238,6 @@ def memory_for_cache() -> int:
     return avail if limit is None else min(avail, limit)
 
 
-_chunks: dict[int, int] = {}
-
-
-def _advice_chunk(st_dev: int) -> int:
-    """Most bytes one ``posix_fadvise(WILLNEED)`` reads on device ``st_dev``: the kernel
-    caps each call at the larger of the device's largest request (``max_sectors_kb``) and
-    its read-ahead window (``read_ahead_kb``) and drops the rest, so a longer range is
-    asked for in pieces of this size (128 KiB where sysfs does not say)."""
-    chunk = _chunks.get(st_dev)
-    if chunk is None:
-        chunk = 128 << 10
-        base = f"/sys/dev/block/{os.major(st_dev)}:{os.minor(st_dev)}"
-        for queue in (base + "/queue", base + "/../queue"):      # a disk, a partition
-            try:
-                with open(queue + "/max_sectors_kb", encoding="ascii") as f:
-                    max_kb = int(f.read())
-                with open(queue + "/read_ahead_kb", encoding="ascii") as f:
-                    ra_kb = int(f.read())
-            except (OSError, ValueError):
-                continue
-            chunk = max(max_kb, ra_kb, 4) << 10
-            break
-        _chunks[st_dev] = chunk
-    return chunk
-
-
 _SAMPLES = 8                  # pages of an extent looked up to tell whether it is cached
 
 
@@ -277,27 +255,40 @@ def _held(fd: int, offset: int, n: int) -> bool:
     return True
 
 
-def _willneed(fd: int, offset: int, n: int, chunk: int) -> None:
-    """Ask for ``n`` bytes at ``offset`` to be read into the page cache (the reads are
-    submitted, not waited for), ``chunk`` bytes per call."""
-    end = offset + n
+_PIECE = 16 << 20             # bytes of one read-ahead job
+_READERS = 2                  # read-ahead threads
+
+
+def _read_in(fd: int, offset: int, n: int) -> None:
+    """Bring ``n`` bytes of ``fd`` at ``offset`` into the page cache: a shared read-only
+    mapping of them faulted in (``MADV_POPULATE_READ``, the GIL released) and unmapped.
+
+    Page faults read through the kernel's read-ahead in large folios; ``posix_fadvise
+    (WILLNEED)`` fills the cache with 4 KiB pages, and every later mapping, fault and unmap
+    of those costs about 14 times more (a cached 300 MB extent mapped, faulted in and
+    unmapped: 34 against 2.4 ms): a forward after the first pays it for every weight."""
+    base = offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
     try:
-        while offset < end:
-            os.posix_fadvise(fd, offset, min(chunk, end - offset), os.POSIX_FADV_WILLNEED)
-            offset += chunk
-    except OSError:                  # a hint: the reads happen when the data is used
+        m = mmap.mmap(fd, offset + n - base, access=mmap.ACCESS_READ, offset=base)
+    except (OSError, ValueError):    # ahead of use only: its own read raises
+        return
+    try:
+        _aio.populate_read(m)
+    except OSError:
         pass
+    finally:
+        m.close()
 
 
 class _Advisor:
-    """One thread that asks the kernel to read ranges of files into the page cache
-    (:func:`_willneed`), in the order they were queued: the caller never waits for a
-    queue slot of the drive. Jobs carry a duplicate of the caller's descriptor, closed once
-    advised."""
+    """``_READERS`` threads that read ranges of files into the page cache
+    (:func:`_read_in`), in pieces of ``_PIECE`` bytes taken in the order they were queued:
+    the caller never waits for the drive. Jobs carry a duplicate of the caller's
+    descriptor, closed once read."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
-        self._jobs: deque[tuple[int, int, int, int]] = deque()
+        self._jobs: deque[tuple[int, int, int]] = deque()
         self._pid = -1
 
     def after_fork(self) -> None:
@@ -308,23 +299,31 @@ class _Advisor:
             os.close(self._jobs.popleft()[0])
         self._pid = -1
 
-    def put(self, jobs: list[tuple[int, int, int, int]]) -> None:
+    def put(self, fd: int, offset: int, n: int) -> None:
+        """Queue ``n`` bytes of ``fd`` (a descriptor of the caller's, duplicated here) at
+        ``offset``."""
+        jobs = []
+        end = offset + n
+        while offset < end:
+            jobs.append((os.dup(fd), offset, min(_PIECE, end - offset)))
+            offset += _PIECE
         with self._cv:
             if self._pid != os.getpid():             # first use (a forked child: after_fork)
                 self._pid = os.getpid()
-                threading.Thread(target=self._run, name="aioswap-readahead",
-                                 daemon=True).start()
+                for i in range(_READERS):
+                    threading.Thread(target=self._run, name=f"aioswap-readahead-{i}",
+                                     daemon=True).start()
             self._jobs.extend(jobs)
-            self._cv.notify()
+            self._cv.notify(len(jobs))
 
     def _run(self) -> None:
         while True:
             with self._cv:
                 while not self._jobs:
                     self._cv.wait()
-                fd, offset, n, chunk = self._jobs.popleft()
+                fd, offset, n = self._jobs.popleft()
             try:
-                _willneed(fd, offset, n, chunk)
+                _read_in(fd, offset, n)
             finally:
                 os.close(fd)
 
@@ -374,7 +373,6 @@ class _Resources:
         self.sizes: dict[str, int] = {}          # size of each file when first opened
         self.plain: dict[str, int] = {}          # buffered fds (page-cache probes, mmap)
         self.mapfds: OrderedDict[str, int] = OrderedDict()   # buffered fds (page-cache way)
-        self.devices: dict[str, int] = {}        # st_dev of each (page-cache way)
         self.max_open_files = max_open_files
         self.live: deque[_Batch] = deque()
         self.direct = True            # which way the loader reads (set at its first read)
@@ -404,7 +402,6 @@ class _Resources:
             raise OffloadFileError(f"{path!r} changed size while in use ({self.sizes[path]} "
                                    f"bytes when first opened, {size} now)", path=path)
         self.mapfds[path] = fd
-        self.devices[path] = st.st_dev
         while len(self.mapfds) > self.max_open_files:    # one .dat file per weight: cap fds
             os.close(self.mapfds.popitem(last=False)[1])
         return fd
@@ -710,12 +707,12 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         return _view(m, entry, pos), entry
 
     def _map_group(self, group: str) -> None:
-        """Map the extents of ``group`` (after asking for it and the groups that follow it
-        to be read into the page cache) and fault them in; its keys' views wait in
-        ``_views``."""
+        """Map the extents of ``group`` (after asking for the groups that follow it to be
+        read into the page cache) and fault in what the cache does not hold; its keys' views
+        wait in ``_views``."""
         assert self._groups is not None
         entries = {k: self._entry(k) for k in self._groups[group]}
-        # again even when read ahead: the cache may have dropped it since (a no-op if not)
+        # checked again even when read ahead: the cache may have dropped it since
         _, held = self._advise(entries, wait=True)
         self._advise_after(group)
         maps: list[tuple[Any, int, int, list[str], bool]] = []
@@ -760,11 +757,10 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
 
     def _advise(self, entries: Mapping[str, _Entry],
                 wait: bool) -> tuple[int, set[tuple[str, int]]]:
-        """Ask the kernel to read ``entries`` into the page cache; returns the bytes asked
-        for and the extents (path, start) the cache holds whole, which are not asked for.
-        ``wait``: in this thread (the reads are submitted on return), else on the read-ahead
-        thread."""
-        jobs = []
+        """Have the extents of ``entries`` that the page cache does not hold read into it;
+        returns the bytes asked of the read-ahead threads and the extents (path, start) the
+        cache holds. ``wait``: the caller reads them itself (it faults them in next), else
+        the read-ahead threads do."""
         nbytes = 0
         held: set[tuple[str, int]] = set()
         for path, start, end, _ in _extents(entries):
@@ -772,14 +768,9 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
             if _held(fd, start, end - start):
                 held.add((path, start))  # (a forward after the first)
                 continue
-            chunk = _advice_chunk(self._res.devices[path])
-            if wait:
-                _willneed(fd, start, end - start, chunk)
-            else:
-                jobs.append((os.dup(fd), start, end - start, chunk))
-            nbytes += end - start
-        if jobs:
-            _advisor.put(jobs)
+            if not wait:
+                _advisor.put(fd, start, end - start)
+                nbytes += end - start
         self.stats.advised_bytes += nbytes
         return nbytes, held
 
