@@ -299,9 +299,9 @@ class _Advisor:
             os.close(self._jobs.popleft()[0])
         self._pid = -1
 
-    def put(self, fd: int, offset: int, n: int) -> None:
+    def put(self, fd: int, offset: int, n: int, first: bool = False) -> None:
         """Queue ``n`` bytes of ``fd`` (a descriptor of the caller's, duplicated here) at
-        ``offset``."""
+        ``offset``; ``first``: before what is queued."""
         jobs = []
         end = offset + n
         while offset < end:
@@ -313,7 +313,10 @@ class _Advisor:
                 for i in range(_READERS):
                     threading.Thread(target=self._run, name=f"aioswap-readahead-{i}",
                                      daemon=True).start()
-            self._jobs.extend(jobs)
+            if first:
+                self._jobs.extendleft(reversed(jobs))
+            else:
+                self._jobs.extend(jobs)
             self._cv.notify(len(jobs))
 
     def _run(self) -> None:
@@ -714,6 +717,10 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         entries = {k: self._entry(k) for k in self._groups[group]}
         # checked again even when read ahead: the cache may have dropped it since
         _, held = self._advise(entries, wait=True)
+        if len(held) < len(_extents(entries)) and not self._advised.get(group):
+            # not in the cache and not asked ahead: the cache dropped what the last
+            # forward found there (or this is the first): what it found counts no more
+            self._advised = {}
         self._advise_after(group)
         maps: list[tuple[Any, int, int, list[str], bool]] = []
         for path, start, end, ks in _extents(entries):
@@ -758,9 +765,9 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
     def _advise(self, entries: Mapping[str, _Entry],
                 wait: bool) -> tuple[int, set[tuple[str, int]]]:
         """Have the extents of ``entries`` that the page cache does not hold read into it;
-        returns the bytes asked of the read-ahead threads and the extents (path, start) the
-        cache holds. ``wait``: the caller reads them itself (it faults them in next), else
-        the read-ahead threads do."""
+        returns the bytes asked ahead of use and the extents (path, start) the cache holds.
+        ``wait``: the caller faults them in next (the read-ahead threads help, before
+        anything else), else the read-ahead threads read them."""
         nbytes = 0
         held: set[tuple[str, int]] = set()
         for path, start, end, _ in _extents(entries):
@@ -768,8 +775,9 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
             if _held(fd, start, end - start):
                 held.add((path, start))  # (a forward after the first)
                 continue
+            # ahead: behind what is queued; now: first, the caller faulting it in as well
+            _advisor.put(fd, start, end - start, first=wait)
             if not wait:
-                _advisor.put(fd, start, end - start)
                 nbytes += end - start
         self.stats.advised_bytes += nbytes
         return nbytes, held
