@@ -39,7 +39,7 @@ Through the page cache:
   faults of its use.
 * When a group is mapped, the groups that follow it, up to ``read_ahead`` bytes (by
   default 1 GiB, at most a quarter of :func:`memory_for_cache`), are read into the page
-  cache by two read-ahead threads, 16 MiB at a time, while this group computes (nothing
+  cache by four read-ahead threads, 32 MiB at a time, while this group computes (nothing
   for a range the cache holds). They read by faulting in a shared mapping, so the kernel's
   read-ahead fills the cache with large folios: ``posix_fadvise(WILLNEED)`` would fill it
   with 4 KiB pages, and mapping, faulting and unmapping those on every later forward costs
@@ -255,8 +255,8 @@ def _held(fd: int, offset: int, n: int) -> bool:
     return True
 
 
-_PIECE = 16 << 20             # bytes of one read-ahead job
-_READERS = 2                  # read-ahead threads
+_PIECE = 32 << 20             # bytes of one read-ahead job
+_READERS = 4                  # read-ahead threads
 
 
 def _read_in(fd: int, offset: int, n: int) -> None:
