@@ -227,6 +227,7 @@ def _submit(gf: _GroupFile) -> _Read:
         f = h.open(gf.path, "r")
     except FileNotFoundError as exc:
         raise _fail(gf, "is missing (removed since the group was offloaded?)") from exc
+    reader = Reader(None, f"diffusers group {gf.path}")
     try:
         ident = _ident(os.fstat(f.fileno()))
         if ident == gf.ident and gf.header is not None:
@@ -241,8 +242,7 @@ def _submit(gf: _GroupFile) -> _Read:
         start = header.data_offset // _ALIGN * _ALIGN
         n = min(round_up(header.data_offset + header.data_bytes, _ALIGN), ident[2]) - start
         buf = memoryview(pinned.allocate(round_up(n, _ALIGN), strict=False)) if n > 0 else None
-        read = _Read(gf, f, ident, header, check, buf, start,
-                     Reader(None, f"diffusers group {gf.path}"))
+        read = _Read(gf, f, ident, header, check, buf, start, reader)
         if buf is not None:
             dest = torch.frombuffer(buf, dtype=torch.uint8, count=n)
             copy = read.reader.copies(f, start, n)     # the page cache holds the file
@@ -251,6 +251,7 @@ def _submit(gf: _GroupFile) -> _Read:
             _stats.cached_bytes += n if copy else 0
         return read
     except BaseException:
+        reader.close()               # (its descriptor, when it opened one)
         f.close()
         raise
 
