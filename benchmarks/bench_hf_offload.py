@@ -56,7 +56,7 @@ import time
 from typing import Any
 
 import torch
-from _common import dir_arg, orders, print_table, ratio, scratch_file, size_arg, summarize
+from _common import dir_arg, orders, print_table, ratio, summarize
 from _common import drop_cache as drop_file_cache
 
 import aioswap
