@@ -716,14 +716,15 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
         assert self._groups is not None
         entries = {k: self._entry(k) for k in self._groups[group]}
         # checked again even when read ahead: the cache may have dropped it since
-        _, held = self._advise(entries, wait=True)
-        if len(held) < len(_extents(entries)) and not self._advised.get(group):
+        extents = _extents(entries)
+        _, held = self._advise(extents, wait=True)
+        if len(held) < len(extents) and not self._advised.get(group):
             # not in the cache and not asked ahead: the cache dropped what the last
             # forward found there (or this is the first): what it found counts no more
             self._advised = {}
         self._advise_after(group)
         maps: list[tuple[Any, int, int, list[str], bool]] = []
-        for path, start, end, ks in _extents(entries):
+        for path, start, end, ks in extents:
             fd = self._res.mapfd(path, self.stats)
             size = os.fstat(fd).st_size
             if size != self._res.sizes[path]:            # a mapping past the end is SIGBUS
@@ -762,15 +763,15 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
             for k in self._groups[old]:
                 self._views.pop(k, None)
 
-    def _advise(self, entries: Mapping[str, _Entry],
+    def _advise(self, extents: list[tuple[str, int, int, list[str]]],
                 wait: bool) -> tuple[int, set[tuple[str, int]]]:
-        """Have the extents of ``entries`` that the page cache does not hold read into it;
-        returns the bytes asked ahead of use and the extents (path, start) the cache holds.
+        """Have the ``extents`` (of :func:`_extents`) the page cache does not hold read into
+        it; returns the bytes asked ahead of use and the extents (path, start) it holds.
         ``wait``: the caller faults them in next (the read-ahead threads help, before
         anything else), else the read-ahead threads read them."""
         nbytes = 0
         held: set[tuple[str, int]] = set()
-        for path, start, end, _ in _extents(entries):
+        for path, start, end, _ in extents:
             fd = self._res.mapfd(path, self.stats)
             if _held(fd, start, end - start):
                 held.add((path, start))  # (a forward after the first)
@@ -811,7 +812,7 @@ class AioswapWeightsLoader(Mapping[str, torch.Tensor]):
                 except Exception as exc:     # read ahead only: its own read raises
                     _log.debug("aioswap: no read-ahead of %s: %s", nxt, exc)
                     break
-                n = self._advise(entries, wait=False)[0]
+                n = self._advise(_extents(entries), wait=False)[0]
             chain[nxt] = n
             ahead += n
             nxt = self._successor(nxt)

@@ -81,7 +81,8 @@ _AHEAD_BYTES = 1 << 30    # tensors read and not yet taken, at most (soft), for 
 # With read="auto", a checkpoint of which the page cache holds at least this share is left
 # to transformers: its memory map reads cached pages without a copy, several times faster
 # than copying them (bench_loaders: 5.96 GB/s stock against 1.90 through aioswap, warm).
-_CACHED_SHARE = 0.9
+# The loaders' own rule for a range copied from the page cache; None: never left.
+_CACHED_SHARE: Optional[float] = _adaptive.CACHED_ENOUGH
 
 
 @dataclass
