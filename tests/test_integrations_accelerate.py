@@ -95,7 +95,7 @@ def _aioswap_maps(model: Any) -> list[ia.AioswapWeightsLoader]:
 
 
 def test_disk_device_map(model_dir: tuple[Path, dict[str, Any]], tmp_path: Path,
-                         way: str) -> None:
+                         way: str, monkeypatch: pytest.MonkeyPatch) -> None:
     path, ref = model_dir
     ia.install()
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -125,11 +125,15 @@ def test_disk_device_map(model_dir: tuple[Path, dict[str, Any]], tmp_path: Path,
     if way == "cache":
         assert s.advised_bytes == advised and s.bytes_read > read
         # the cache dropped between forwards: what the last forward found there is asked
-        # for again
+        # for again (the asks recorded, not run: a read-ahead thread's fault would pull the
+        # rest of these tiny files into the cache before the groups after it are looked at)
+        asked: list[int] = []
+        monkeypatch.setattr(ia._advisor, "put",
+                            lambda fd, offset, n, first=False: asked.append(0 if first else n))
         _drop(sorted(path.glob("*.safetensors")))
         with torch.no_grad():
             assert torch.equal(model(IDS).logits, ref["logits"])
-        assert s.advised_bytes - advised >= first // 2, (s.advised_bytes - advised, first)
+        assert sum(asked) >= first // 2, (asked, first)
 
 
 def test_auto_with_max_memory(model_dir: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
