@@ -29,7 +29,7 @@ from cpython.weakref cimport PyWeakref_NewRef
 from libc.errno cimport (EAGAIN, EBUSY, EFAULT, EINTR, EINVAL, EIO, EISDIR, ENOMEM, ENOSPC, ENOSYS,
                          EOPNOTSUPP, EPERM, errno)
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t, uintptr_t
-from libc.string cimport memset
+from libc.string cimport memset, strchr
 
 import collections
 import logging

@@ -91,43 +91,6 @@ class HandleStats:
         return HandleStats(**{f.name: getattr(self, f.name) for f in fields(self)})
 
 
-class _Request:
-    """One validated request, built once and passed down."""
-
-    __slots__ = ("arg", "file", "fsync", "mem", "nbytes", "offset", "write")
-
-    def __init__(self, write: bool, mem: Buffer, file: AioFile, offset: int, nbytes: int,
-                 fsync: bool, arg: FileArg) -> None:
-        self.write = write
-        self.mem = mem
-        self.file = file
-        self.offset = offset
-        self.nbytes = nbytes
-        self.fsync = fsync
-        self.arg = arg              # what the caller passed as ``file`` (for the future)
-
-    @property
-    def op(self) -> str:
-        return "write" if self.write else "read"
-
-
-class _Queued:
-    """A one-slice request in a lane's queue: what finishing it needs."""
-
-    __slots__ = ("hold", "lane", "req", "rq")
-
-    def __init__(self, req: _Request, lane: _Lane, rq: _aio.Request,
-                 hold: object | None) -> None:
-        self.req = req
-        self.lane = lane
-        self.rq = rq
-        self.hold = hold
-
-
-# a sync short-path request in a batch (see _aio.short)
-_ShortQueued = _aio.ShortQueued
-
-
 class DeviceTransport:
     """What moves contiguous device memory for a handle (the seam ``GdsHandle`` uses).
 
@@ -229,41 +192,6 @@ class _Stager:
         self.jobs.put(None)
         if t is not threading.current_thread():
             t.join()
-
-
-class _Async:
-    """The bookkeeping of one asynchronous request (the token its pieces come back with)."""
-
-    __slots__ = ("done", "errors", "fut", "handle", "lock", "outcome", "parts", "post", "req")
-
-    def __init__(self, handle: AioHandle, req: _Request, fut: IOFuture, parts: int,
-                 post: Any) -> None:
-        self.handle = handle
-        self.req = req
-        self.fut = fut
-        self.parts = parts
-        self.done = 0
-        self.errors: list[BaseException] = []
-        self.post = post
-        self.lock = threading.Lock() if parts > 1 else None
-        self.outcome: _aio.Ticket | None = None
-
-    def part_done(self, rq: _aio.Request) -> None:
-        done = rq.done
-        exc = self.handle._slice_error(self.req, rq)
-        if self.lock is not None:
-            with self.lock:
-                self.done += done
-                if exc is not None:
-                    self.errors.append(exc)
-                self.parts -= 1
-                if self.parts:
-                    return
-        else:
-            self.done = done
-            if exc is not None:
-                self.errors.append(exc)
-        self.handle._finish_async(self)
 
 
 class AioHandle:
@@ -643,21 +571,21 @@ class AioHandle:
             return futs
         # sync: every request is queued before the first is waited for; no futures, no
         # completion thread (each is reaped by this thread)
-        queued: list[_Queued | _ShortQueued | _Request] = []
-        # every request queued, recorded by the queue itself: a signal handler can raise
+        queued: list[_aio.Ticket | Callable[[], int]] = []
+        # every queue request, recorded by the queue itself: a signal handler can raise
         # between a submission and the append to `queued`
         subs: list[_aio.Request] = []
         try:
             self._core.many_queue(self, write, requests, queued, subs)
         except Exception:
             # a bad item: what was queued before it is valid and runs to the end
-            self._abandon(queued, cancel=False)
+            self._core.abandon(queued, False)
             raise
         except BaseException:
-            self._abandon(queued)               # a signal: stop as soon as possible
+            self._core.abandon(queued)          # a signal: stop as soon as possible
             # one submitted but not in `queued` yet: nothing may write its memory after
             # this raises (its file stays counted as in use: a signal's narrow window)
-            known = {id(q.rq) for q in queued if not isinstance(q, _Request)}
+            known = {id(rq) for q in queued if isinstance(q, _aio.Ticket) for rq in q.parts}
             _drain([rq for rq in subs if id(rq) not in known])
             raise
         out, first = self._core.many_finish(self, queued)
@@ -672,47 +600,24 @@ class AioHandle:
         return buf, file, rest[0] if rest else 0
 
     def _many_slow(self, write: bool, buf: Any, file: FileArg, offset: Any,
-                   subs: list[_aio.Request]) -> _Queued | _Request:
-        """A batch item the short path does not take: queued now when it is one slice,
-        else validated and run in turn by :meth:`_many_finish_slow`."""
-        req = self._prepare(write, buf, file, offset, None, False)
-        if not self._is_one(req):
-            return req
+                   subs: list[_aio.Request]) -> _aio.Ticket | Callable[[], int]:
+        """A batch item the Core did not take as it came: checked now (its error raised),
+        then queued through the Core when it is contiguous host memory, else run in turn
+        (staged) when the batch is reaped."""
+        mem, f, n, offset = self._prepare(write, buf, file, offset, None)
         try:
-            return self._queue_one(req, True, None, subs)
-        except BaseException:
-            self._release(req)
-            raise
-
-    def _many_finish_slow(self, q: _Queued | _Request) -> int:
-        """Finish (or run) a batch item from :meth:`_many_slow`; its bytes moved."""
-        req = q.req if isinstance(q, _Queued) else q
-        try:
-            return self._finish_one(q) if isinstance(q, _Queued) else self._run_sync(q)
+            if n and mem.contiguous and mem.device == "cpu":
+                return self._core.submit(write, mem.address, n, _keeper(mem), f, offset,
+                                         queue=True, arg=file, sink=subs)
         finally:
-            self._release(req)
+            if f is not file:
+                f.unuse()                       # unpinned (see _cached)
 
-    def _abandon(self, queued: Sequence[_Queued | _ShortQueued | _Request],
-                 cancel: bool = True) -> None:
-        """Cancel (unless not ``cancel``) and drain queued requests (an error or a signal
-        stops a batch); requests not queued yet are dropped."""
-        for q in queued:
-            if cancel and not isinstance(q, _Request):
-                q.rq.cancel()
-        for q in queued:
-            if isinstance(q, _ShortQueued):
-                try:
-                    self._short_finish(q, drain=True)
-                except Exception:
-                    pass
-            elif isinstance(q, _Queued):
-                try:
-                    self._finish_one(q, drain=True)
-                except Exception:
-                    pass
-                self._release(q.req)
-            else:
-                self._release(q)
+        def later() -> int:
+            done = self._request(write, buf, file, offset, None, False, False)
+            assert isinstance(done, int)        # (sync)
+            return done
+        return later
 
     def wait(self) -> int:
         """Finish every outstanding asynchronous request; return how many there were.
@@ -794,14 +699,24 @@ class AioHandle:
 
     def _request(self, write: bool, buffer: Any, file: FileArg, offset: Any,
                  nbytes: Any, async_op: bool, fsync: bool) -> int | IOFuture:
-        """The general path of a request (:func:`_aio.request` tries the short one)."""
-        req = self._prepare(write, buffer, file, offset, nbytes, fsync)
-        if async_op:
-            return self._start_async(req)
+        """The general path of a request (:meth:`_aio.Core.request` takes the others as they
+        come): it raises what is wrong, stages what is not contiguous host memory, and
+        submits through the Core."""
+        mem, f, n, offset = self._prepare(write, buffer, file, offset, nbytes)
         try:
-            return self._run_sync(req)
+            if n and mem.contiguous and mem.device == "cpu":
+                return self._core.submit(write, mem.address, n, _keeper(mem), f, offset,
+                                         fsync=fsync, async_op=async_op, arg=file)
+            if async_op:
+                return self._start_cold(write, mem, f, offset, n, fsync, file)
+            self._enter(write, file)
+            try:
+                return self._cold(write, mem, f, offset, n, fsync)
+            finally:
+                self._core.leave()
         finally:
-            self._release(req)
+            if f is not file:
+                f.unuse()                       # unpinned (see _cached)
 
     def _short_file(self, file: FileArg, write: bool) -> AioFile | None:
         """The file a short-path request runs on: an AioFile as it is, the handle's own
@@ -815,19 +730,11 @@ class AioHandle:
             return self._cached(file, write)    # type: ignore[arg-type]
         return None
 
-    def _short_finish(self, q: _aio.ShortQueued, drain: bool = False) -> int:
-        """Reap a queued request of the compiled path (``drain``: without looking at
-        signals)."""
-        return self._core.short_finish(q, drain)
-
-    def _error(self, write: bool, f: AioFile, offset: int, n: int, done: int, err: int,
-               eoff: int, en: int) -> BaseException:
-        """The exception of a failed request (an errno, or else the end of the file)."""
-        return _aio.failure(f.name, write, offset, n, done, err, eoff, en)
-
-    def _prepare(self, write: bool, buffer: Any, file: FileArg, offset: Any, nbytes: Any,
-                 fsync: bool) -> _Request:
-        """Validate a request and open its file; it counts as active until released."""
+    def _prepare(self, write: bool, buffer: Any, file: FileArg, offset: Any,
+                 nbytes: Any) -> tuple[Buffer, AioFile, int, int]:
+        """Check a request (raising what is wrong, before any I/O): its buffer resolved, its
+        file (pinned when it is the handle's own behind a path or fd: the caller unpins it),
+        its size and offset."""
         op = "write" if write else "read"
         if self._closed or self._generation != _aio.fork_generation():
             self._check(f"{op} of {describe(file)}")
@@ -835,6 +742,9 @@ class AioHandle:
             offset = _integer(offset, "offset", file)
         if offset < 0:
             raise ValueError(f"negative file offset {offset} for {describe(file)}")
+        if offset > _aio.MAX_OFFSET:
+            raise ValueError(f"file offset {offset} of {describe(file)} is beyond the largest "
+                             f"one aioswap takes ({_aio.MAX_OFFSET})")
         mem = resolve(buffer)
         n = mem.nbytes if nbytes is None else _integer(nbytes, "nbytes", file)
         if n < 0:
@@ -859,15 +769,11 @@ class AioHandle:
                     f"read of {n} bytes at offset {offset} from {f.name} goes past the end "
                     f"of the file ({size} bytes)", path=f.name, offset=offset, nbytes=n,
                     file_size=size)
-            req = _Request(write, mem, f, offset, n, fsync, file)
-            with self._lock:
-                if not self._core.enter():
-                    raise HandleClosedError(f"{op} of {describe(file)} on a closed AioHandle")
         except BaseException:
             if f is not file:
                 f.unuse()                       # unpinned (see _cached)
             raise
-        return req
+        return mem, f, n, offset
 
     def _file(self, file: FileArg, write: bool) -> AioFile:
         if isinstance(file, AioFile):
@@ -998,374 +904,103 @@ class AioHandle:
             f.close()
         return len(files)
 
-    def _release(self, req: _Request) -> None:
-        """A request is over: give back its file and let close() go on."""
-        if req.file is not req.arg:
-            req.file.unuse()                    # unpinned (see _cached)
-        self._core.leave()
+    def _enter(self, write: bool, file: FileArg) -> None:
+        """Count a request of the general path in (close() waits for it)."""
+        with self._lock:
+            if not self._core.enter():
+                raise HandleClosedError(f"{'write' if write else 'read'} of "
+                                        f"{describe(file)} on a closed AioHandle")
 
-    # -- planning --------------------------------------------------------------------------
-    def _block(self, f: AioFile) -> int:
-        """Piece size on ``f``: the block size rounded down to its alignment (at least one)."""
-        return self._core.piece(f)
-
-    def _slices(self, req: _Request) -> list[tuple[int, int]]:
-        """``(start, nbytes)`` of the lanes' contiguous slices of a request."""
-        k = len(self._lanes)
-        if k == 1:
-            return [(0, req.nbytes)]
-        n, block = req.nbytes, self._block(req.file)
-        if n < 2 * block:
-            return [(0, n)]
-        # cut at file offsets that are multiples of the block: no slice boundary is an edge
-        per = -(-n // k)
-        cuts = [0]
-        for i in range(1, k):
-            c = -(-(req.offset + i * per) // block) * block - req.offset
-            if cuts[-1] < c < n:
-                cuts.append(c)
-        cuts.append(n)
-        return list(zip(cuts, (b - a for a, b in zip(cuts, cuts[1:]))))
-
-    def _mode(self, req: _Request, held: bool = False) -> tuple[int, int, int]:
-        """How the pieces of a contiguous host request run (see ``_aio.plan``). ``held``: the
-        memory is known to be pinned (a registry hold is out)."""
-        return self._core.plan(req.file, req.mem.address, req.nbytes,
-                               req.offset, True if held else None)
-
-    def _count_paths(self, mode: int, edges: int, middle: int) -> None:
-        """Bytes per path into the stats."""
-        self._core.count_paths(mode, edges, middle)
-
-    def _count_outcome(self, write: bool, done: int, failed: bool) -> None:
-        """A finished request into the stats."""
-        self._core.count_outcome(write, done, failed)
-
-    def _submit_parts(self, req: _Request, slices: list[tuple[int, int]], sync: bool,
-                      token: Any) -> list[_aio.Request]:
-        """Queue the slices of a contiguous host request on the lanes (holding the file).
-
-        On an error part-way, what was queued stays queued (sync callers drain it) and the
-        error propagates.
-        """
-        f, mem = req.file, req.mem
-        mode, edges, middle = self._mode(req)
-        block = self._block(f)
-        fsync = req.fsync and len(slices) == 1
-        if len(slices) == 1:
-            lanes = [self._core.next_lane()]
-        else:
-            lanes = self._lanes
-        submitted: list[_aio.Request] = []
-        fd = f.use()
+    # -- what the Core does not take as it is ------------------------------------------------
+    def _cold(self, write: bool, mem: Buffer, f: AioFile, offset: int, n: int,
+              fsync: bool) -> int:
+        """A request that is not contiguous host memory, run in this thread (counted in by
+        the caller): an fsync alone, a strided/conjugate/negative buffer through a
+        contiguous copy (:func:`~aioswap._staging.stage`), CUDA memory through the device
+        transport or the bounce ring. The contiguous part goes through the Core."""
+        if n and mem.device == "cpu":
+            tmp, back = stage(mem, write, n)
+            t = resolve(tmp)
+            done = int(self._core.submit(write, t.address, n, tmp, f, offset, fsync=fsync,
+                                         entered=True))
+            if back is not None:
+                back()
+            return done
         try:
-            for lane, (start, nbytes) in zip(lanes, slices):
-                if mode == _aio.MODE_BOUNCE or edges:     # direct and aligned: no ring
-                    lane.ring.ensure()
-                if not sync:
-                    lane.start()
-                # appended by submit itself: a signal handler may raise the moment it returns
-                lane.queue.submit(fd, req.write, mem.address + start, nbytes,
-                                  req.offset + start, mode, f.off_align, block, f.state, fsync,
-                                  sync, token, f.name, mem.owner, submitted)
-        except BaseException as exc:
-            exc.__aioswap_submitted__ = submitted      # type: ignore[attr-defined]
-            if not submitted:
+            if n == 0:
+                if fsync:
+                    os.fsync(f.fileno())
+                done = 0
+            else:
+                done = self._cuda(write, mem, f, offset, n)
+                if fsync:
+                    os.fsync(f.fileno())
+        except BaseException:
+            with self._lock:
+                self._core.count_outcome(write, 0, True)
+            raise
+        with self._lock:
+            self._core.count_outcome(write, done, False)
+        return done
+
+    def _cuda(self, write: bool, mem: Buffer, f: AioFile, offset: int, n: int) -> int:
+        """CUDA memory: the device transport (cuFile), else block-sized chunks through lane
+        0's ring."""
+        if self._device_transport is not None:
+            f.use()
+            try:
+                done, path = self._device_transport.transfer(write, mem.address, n, f, offset)
+            finally:
                 f.unuse()
-            raise
-        finally:
-            if submitted:
-                with self._lock:
-                    self._count_paths(mode, edges, middle)
-        return submitted
-
-    # -- sync ------------------------------------------------------------------------------
-    def _run_sync(self, req: _Request) -> int:
-        if self._is_one(req):
-            return self._run_one(req)       # counts itself
-        try:
-            done = self._execute_sync(req)
-        except BaseException:
-            with self._lock:
-                self._count_outcome(req.write, 0, True)
-            raise
-        with self._lock:
-            self._count_outcome(req.write, done, False)
-        return done
-
-    def _execute_sync(self, req: _Request) -> int:
-        mem, n = req.mem, req.nbytes
-        if n == 0:
-            if req.fsync:
-                os.fsync(req.file.fileno())
-            return 0
-        if not mem.contiguous:
-            return self._staged(req)
-        if mem.device == "cuda":
-            if self._device_transport is not None:
-                req.file.use()
-                try:
-                    done, path = self._device_transport.transfer(
-                        req.write, mem.address, n, req.file, req.offset)
-                finally:
-                    req.file.unuse()
-                self._core.count_path(path, done)
-                if req.fsync:
-                    os.fsync(req.file.fileno())
-                return done
-            return self._cuda(req)
-        slices = self._slices(req)
-        hold = pinned.registry.hold(mem.address, n)
-        try:
-            subs = self._submit_parts(req, slices, True, None)
-        except BaseException as exc:
-            queued = getattr(exc, "__aioswap_submitted__", [])
-            _drain(queued)
-            if queued:
-                req.file.unuse()
-            if hold is not None:
-                pinned.registry.unhold(hold)
-            raise
-        waited = 0
-        try:
-            for rq in subs:
-                rq.wait(False)                  # errors are gathered below
-                waited += 1
-        except BaseException:
-            # a signal handler raised in wait(), which drained its own slice: cancel and
-            # drain the others before unwinding, so nothing writes the caller's memory later
-            _drain(subs[waited + 1:])
-            raise
-        finally:
-            req.file.unuse()
-            if hold is not None:
-                pinned.registry.unhold(hold)
-        done = 0
-        first: BaseException | None = None
-        for rq in subs:
-            done += rq.done
-            err = self._slice_error(req, rq)
-            if err is not None and first is None:
-                first = err
-        if first is not None:
-            raise first
-        if req.fsync and len(subs) > 1:
-            os.fsync(req.file.fileno())
-        return done
-
-    def _is_one(self, req: _Request) -> bool:
-        """Whether a request runs as one queued piece list (contiguous host memory, one
-        slice): the hot path of small requests."""
-        mem = req.mem
-        return (req.nbytes > 0 and mem.contiguous and mem.device == "cpu"
-                and len(self._slices(req)) == 1)
-
-    def _take_lane(self, req: _Request, sync: bool) -> tuple[Any, int, int, int, _Lane, int]:
-        """For a one-slice request: hold its memory, choose its mode and lane (ring attached,
-        completion thread started unless ``sync``) and count a use of its file. Returns
-        ``(hold, mode, edges, middle, lane, fd)``; on an error nothing is left held."""
-        hold = pinned.registry.hold(req.mem.address, req.nbytes)
-        try:
-            mode, edges, middle = self._mode(req, hold is not None)
-            lane = self._core.next_lane()
-            if (mode == _aio.MODE_BOUNCE or edges) and not lane.ring.attached:
-                lane.ring.ensure()
-            if not sync and lane.thread is None:
-                lane.start()
-            fd = req.file.use()
-        except BaseException:
-            if hold is not None:
-                pinned.registry.unhold(hold)
-            raise
-        return hold, mode, edges, middle, lane, fd
-
-    def _run_one(self, req: _Request) -> int:
-        """A sync request of one slice, kept short: submitted and waited for in one call
-        into the queue (:meth:`AioQueue.run`), so a signal handler that raises finds the
-        request drained, never queued and forgotten."""
-        f, mem, n = req.file, req.mem, req.nbytes
-        hold, mode, edges, middle, lane, fd = self._take_lane(req, True)
-        try:
-            with self._lock:
-                self._count_paths(mode, edges, middle)
-            done = lane.queue.run(fd, req.write, mem.address, n, req.offset, mode,
-                                  f.off_align, self._block(f), f.state, req.fsync, f.name)
-        except (OSError, EOFError) as exc:      # the request's own error (see _aio.failure)
-            with self._lock:
-                self._count_outcome(req.write, int(getattr(exc, "done", 0) or 0), True)
-            raise
-        finally:
-            f.unuse()
-            if hold is not None:
-                pinned.registry.unhold(hold)
-        with self._lock:
-            self._count_outcome(req.write, done, False)
-        return int(done)
-
-    def _queue_one(self, req: _Request, sync: bool, token: Any,
-                   sink: list[_aio.Request] | None = None) -> _Queued:
-        """Queue a one-slice request on a lane (holding its memory and file)."""
-        f, mem, n = req.file, req.mem, req.nbytes
-        hold, mode, edges, middle, lane, fd = self._take_lane(req, sync)
-        try:
-            rq = lane.queue.submit(fd, req.write, mem.address, n, req.offset, mode,
-                                   f.off_align, self._block(f), f.state, req.fsync, sync,
-                                   token, f.name, mem.owner, sink)
-        except BaseException:
-            f.unuse()
-            if hold is not None:
-                pinned.registry.unhold(hold)
-            raise
-        with self._lock:
-            self._count_paths(mode, edges, middle)
-        return _Queued(req, lane, rq, hold)
-
-    def _finish_one(self, q: _Queued, drain: bool = False) -> int:
-        """Wait for (``drain``: without looking at signals) and account a sync request
-        from _queue_one."""
-        req, rq = q.req, q.rq
-        try:
-            # only a signal handler's exception comes out here (the queue drained the
-            # request first); the request's own error is raised below
-            rq.drain(False) if drain else rq.wait(False)
-        finally:
-            req.file.unuse()
-            if q.hold is not None:
-                pinned.registry.unhold(q.hold)
-        exc = rq.error()
-        with self._lock:
-            self._count_outcome(req.write, rq.done, exc is not None)
-        if exc is not None:
-            raise exc
-        return int(rq.done)
-
-    def _slice_error(self, req: _Request, rq: _aio.Request) -> BaseException | None:
-        """The error of one slice of ``req`` (None if it succeeded), naming the request."""
-        if not (rq.errno or rq.eof):
-            return None
-        eoff, en = rq.failed_at
-        return self._error(req.write, req.file, req.offset, req.nbytes, rq.done, rq.errno,
-                           eoff, en)
-
-    def _staged(self, req: _Request) -> int:
-        """A non-contiguous (or conjugate/negative) buffer through a contiguous copy."""
-        tmp, back = stage(req.mem, req.write, req.nbytes)
-        inner = _Request(req.write, resolve(tmp), req.file, req.offset, req.nbytes,
-                         req.fsync, req.arg)
-        done = self._execute_sync(inner)
-        if back is not None:
-            back()
-        return done
-
-    def _cuda(self, req: _Request) -> int:
-        """A CUDA tensor on an AIO handle: block-sized chunks through lane 0's ring."""
+            self._core.count_path(path, done)
+            return int(done)
         lane = self._lanes[0]
         ring = lane.ring
         ring.register_cuda()
         chunk = ring.nbytes
-        flat = flat_bytes(req.mem.tensor)
+        flat = flat_bytes(mem.tensor)
         done = 0
         with lane.lock:                         # the ring is lent whole to this request
             host = ring.host_tensor(chunk)
-            while done < req.nbytes:
-                k = min(chunk, req.nbytes - done)
-                if req.write:
+            while done < n:
+                k = min(chunk, n - done)
+                if write:
                     host[:k].copy_(flat[done:done + k])
-                sub = _Request(req.write, resolve(host[:k]), req.file, req.offset + done, k,
-                               False, req.arg)
-                moved = self._execute_sync(sub)
-                if not req.write:
+                moved = int(self._core.submit(write, host.data_ptr(), k, host, f,
+                                              offset + done, count=False, entered=True))
+                if not write:
                     flat[done:done + k].copy_(host[:k])
                 done += moved
-        if req.fsync:
-            os.fsync(req.file.fileno())
         return done
 
-    # -- async -----------------------------------------------------------------------------
-    def _start_async(self, req: _Request) -> IOFuture:
-        fut = IOFuture(req.op, req.arg, req.nbytes, req.offset)
-        outcome = self._core.open_async(fut)
-        mem = req.mem
-        if req.nbytes == 0 or not mem.contiguous or mem.device == "cuda":
-            # what goes through a contiguous copy (or cuFile, or is only an fsync): the sync
-            # path, on the handle's staging thread, so that the caller is not held up
-            def staged() -> None:
-                error: BaseException | None = None
-                done = 0
-                try:
-                    done = self._run_sync(req)
-                except BaseException as exc:
-                    error = exc
-                self._release(req)
-                self._core.end(outcome, done, error)
+    def _start_cold(self, write: bool, mem: Buffer, f: AioFile, offset: int, n: int,
+                    fsync: bool, arg: FileArg) -> IOFuture:
+        """:meth:`_cold` of an asynchronous request, on the handle's staging thread, so that
+        the caller is not held up; the request counts as active from now."""
+        self._enter(write, arg)
+        fut = IOFuture("write" if write else "read", arg, n, offset)
+        ticket = self._core.open_async(fut)
+        f.use()
+
+        def staged() -> None:
+            error: BaseException | None = None
+            done = 0
             try:
-                self._stager.submit(staged)
-            except BaseException:               # no thread could be started
-                self._core.end(outcome, 0, HandleClosedError("request was not submitted"),
-                               counted=False)
-                self._release(req)
-                raise
-            return fut
-        slices = self._slices(req)
-        if len(slices) == 1:
-            token = _Async(self, req, fut, 1, None)
-            token.outcome = outcome
-            try:
-                token.post = self._queue_one(req, False, token).hold
-            except BaseException:
-                self._forget_failed(token)
-                raise
-            return fut
-        token = _Async(self, req, fut, len(slices),
-                       pinned.registry.hold(mem.address, req.nbytes))
-        token.outcome = outcome
+                done = self._cold(write, mem, f, offset, n, fsync)
+            except BaseException as exc:
+                error = exc
+            f.unuse()
+            self._core.leave()
+            self._core.end(ticket, done, error)
         try:
-            self._submit_parts(req, slices, False, token)
-        except BaseException as exc:
-            queued = len(getattr(exc, "__aioswap_submitted__", ()))
-            if queued == 0:
-                # nothing reached the queue: the request ends here, with this error
-                self._forget_failed(token)
-                raise
-            # some slices run (so there are several, and a lock): the future fails with this
-            # error once they are done
-            assert token.lock is not None
-            with token.lock:
-                token.errors.append(exc)
-                token.parts -= len(slices) - queued
-                last = token.parts == 0
-            if last:
-                self._finish_async(token)
+            self._stager.submit(staged)
+        except BaseException:                   # no thread could be started
+            f.unuse()
+            self._core.leave()
+            self._core.end(ticket, 0, HandleClosedError("request was not submitted"),
+                           counted=False)
+            raise
         return fut
-
-    def _forget_failed(self, token: _Async) -> None:
-        if token.post is not None:
-            pinned.registry.unhold(token.post)
-            token.post = None
-        assert token.outcome is not None
-        self._core.end(token.outcome, 0, HandleClosedError("request was not submitted"),
-                       counted=False)
-        self._release(token.req)
-
-    def _finish_async(self, token: _Async, exc: BaseException | None = None) -> None:
-        req, fut = token.req, token.fut
-        if token.post is not None:
-            pinned.registry.unhold(token.post)
-            token.post = None
-        first = exc if exc is not None else (token.errors[0] if token.errors else None)
-        if first is None and req.fsync and token.lock is not None:      # several slices
-            try:
-                os.fsync(req.file.fileno())
-            except OSError as e:
-                first = e
-        req.file.unuse()
-        if req.file is not req.arg:
-            req.file.unuse()                    # unpinned (see _cached)
-        with self._lock:
-            self._count_outcome(req.write, token.done, first is not None)
-            self._core.leave(True)
-        assert token.outcome is not None
-        self._core.end(token.outcome, token.done, first)
 
 
 _shared: AioHandle | None = None
@@ -1416,6 +1051,15 @@ def _integer(value: Any, what: str, file: Any) -> int:
                         f"for {describe(file)}") from None
 
 
+def _keeper(mem: Buffer) -> Any:
+    """What keeps a resolved buffer's memory valid while a request uses it (for a
+    buffer-protocol object, the array holding its export: a bytearray cannot be resized
+    under the request)."""
+    if mem.tensor is not None:
+        return mem.tensor
+    return mem.array if mem.array is not None else mem.owner
+
+
 def _drain(subs: Sequence[_aio.Request]) -> None:
     """Cancel queued slices and wait for what of them is in flight."""
     for rq in subs:
@@ -1440,16 +1084,12 @@ class _GeneralPath:
 
     @staticmethod
     def many_slow(h: AioHandle, write: bool, buf: Any, file: FileArg, offset: Any,
-                  subs: list[_aio.Request]) -> _Queued | _Request:
+                  subs: list[_aio.Request]) -> _aio.Ticket | Callable[[], int]:
         return h._many_slow(write, buf, file, offset, subs)
 
     @staticmethod
-    def many_finish_slow(h: AioHandle, q: _Queued | _Request) -> int:
-        return h._many_finish_slow(q)
-
-    @staticmethod
-    def abandon(h: AioHandle, queued: Sequence[_Queued | _ShortQueued | _Request]) -> None:
-        h._abandon(queued)
+    def many_finish_slow(h: AioHandle, q: Callable[[], int]) -> int:
+        return q()
 
     @staticmethod
     def unpack(item: Sequence[Any]) -> tuple[Any, Any, Any]:

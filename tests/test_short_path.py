@@ -167,8 +167,8 @@ def test_short_path_buffered_file(tmp_dir, monkeypatch):
 
 
 def test_general_path_still_serves_what_the_short_path_refuses(tmp_dir):
-    """nbytes and fsync take the compiled path; strided views and another handle's file the
-    general one: same bytes either way."""
+    """nbytes, fsync and another handle's file take the compiled path; a strided view the
+    general one (staged, then submitted through the Core): same bytes either way."""
     path = _file(tmp_dir / "g.bin", _rand(256 * KiB, 4))
     data = path.read_bytes()
     with AioHandle() as h, AioHandle() as other, h.open(path, "r+") as f:
@@ -198,11 +198,12 @@ def test_general_path_still_serves_what_the_short_path_refuses(tmp_dir):
             assert f.pread(strided, 8 * KiB) == KiB
             assert strided.numpy().tobytes() == data[8 * KiB:9 * KiB]
             back = torch.empty(KiB, dtype=torch.uint8)
+            assert len(calls) == 1                              # the strided view
             assert other.pread(back, f, 16 * KiB) == KiB        # f belongs to h
             assert back.numpy().tobytes() == data[16 * KiB:17 * KiB]
         finally:
             AioHandle._prepare = real
-        assert len(calls) == 2
+        assert len(calls) == 1                                  # f on `other`: compiled
 
 
 def test_short_path_read_past_eof_raises_before_io(tmp_dir, no_general):
@@ -466,3 +467,145 @@ def test_direct_aligned_requests_lock_no_bounce_ring(tmp_dir):
         assert h.pread(out, f, 100) == 5000
         assert out.numpy().tobytes() == data[100:5100]
         assert any(lane.ring.attached for lane in h._lanes)
+
+
+# -- one path: every contiguous host buffer, every lane count ---------------------------------
+@pytest.mark.parametrize("kind", ["numpy", "bytearray", "memoryview", "numpy-f32"])
+@pytest.mark.parametrize("size,offset", [(1, 0), (4 * KiB + 1, 511), (MiB + 512, 12345)])
+def test_buffers_of_every_kind_take_the_compiled_path(tmp_dir, no_general, kind, size, offset):
+    """numpy arrays and bytes-like objects go the way tensors go (no general path): sync,
+    async, nbytes, fsync and batches, byte-exact against os.pread/os.pwrite."""
+    import numpy as np
+    data = _rand(size + 8, 21)
+    path = _file(tmp_dir / "b.bin", _rand(offset + 2 * size + 64, 22))
+
+    def make(n: int):
+        if kind == "numpy":
+            return np.zeros(n, np.uint8)
+        if kind == "numpy-f32":
+            return np.zeros(-(-n // 4), np.float32)
+        if kind == "bytearray":
+            return bytearray(n)
+        return memoryview(bytearray(n))
+
+    src = make(size)
+    nb = size                              # (a float32 array of `size` bytes rounded up)
+    memoryview(src).cast("B")[:size] = data[:size]
+    with AioHandle() as h, h.open(path, "r+") as f:
+        assert h.pwrite(src, path, offset, nbytes=nb, fsync=True) == nb
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert os.pread(fd, nb, offset) == data[:size]
+            dst = make(size)
+            assert f.pread(dst, offset, nbytes=nb) == nb
+            assert bytes(memoryview(dst).cast("B")[:nb]) == data[:size]
+            dst2 = make(size)
+            assert h.pread(dst2, fd, offset, nbytes=nb, async_op=True).result() == nb
+            assert bytes(memoryview(dst2).cast("B")[:nb]) == data[:size]
+            a, b = make(size), make(size)
+            assert h.pread_many([(a, f, offset), (b, str(path), offset)]) == [
+                memoryview(a).nbytes, memoryview(b).nbytes]
+            assert bytes(memoryview(a).cast("B")[:nb]) == data[:size]
+            assert bytes(memoryview(b).cast("B")[:nb]) == data[:size]
+        finally:
+            os.close(fd)
+
+
+def test_read_only_and_object_buffers_are_refused_by_the_general_path(tmp_dir):
+    import numpy as np
+    path = _file(tmp_dir / "r.bin", _rand(8 * KiB, 23))
+    with AioHandle() as h:
+        with pytest.raises(ValueError, match="read-only buffer"):
+            h.pread(bytes(4 * KiB), path)
+        with pytest.raises(TypeError, match="object"):
+            h.pwrite(np.array([object()] * 8), path)
+        assert h.pwrite(bytes(range(256)), path, 3) == 256      # a read-only source is fine
+        assert path.read_bytes()[3:259] == bytes(range(256))
+
+
+def test_a_bytearray_cannot_be_resized_under_an_async_read(tmp_dir):
+    """The request holds the buffer's export until it is over: resizing raises BufferError
+    instead of freeing memory the kernel may still write."""
+    path = _file(tmp_dir / "x.bin", _rand(4 * MiB, 24))
+    buf = bytearray(4 * MiB)
+    with AioHandle() as h:
+        fut = h.pread(buf, path, async_op=True)
+        try:
+            buf.extend(b"x")
+        except BufferError:
+            pass                            # refused while the read is in flight
+        else:
+            assert fut.done() or len(buf) == 4 * MiB + 1
+        assert fut.result() == 4 * MiB
+        assert bytes(buf[:4 * MiB]) == path.read_bytes()
+    del fut
+    buf.extend(b"y")                        # and released once the request is over
+
+
+@pytest.mark.parametrize("lanes", [2, 3])
+@pytest.mark.parametrize("kind", ["pinned", "misaligned", "pageable"])
+def test_cross_lane_requests_take_the_compiled_path(tmp_dir, no_general, lanes, kind):
+    """A request of two pieces or more is cut across the lanes by the Core: sync, async,
+    fsync and batches, byte-exact at odd offsets, counted once in the statistics."""
+    n = 3 * MiB + 777
+    data = _rand(n, 25)
+    path = _file(tmp_dir / "l.bin", _rand(n + 8 * KiB, 26))
+    with AioHandle(block_size=256 * KiB, intra_op_parallelism=lanes) as h:
+        src = _buffer(kind, n + (n % 2 if kind == "misaligned" else 0))[:n]
+        src.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        before = h.stats
+        assert h.pwrite(src, path, 4097, fsync=True) == n
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert os.pread(fd, n, 4097) == data
+        finally:
+            os.close(fd)
+        dst = _buffer(kind, n + (n % 2 if kind == "misaligned" else 0))[:n]
+        assert h.pread(dst, path, 4097) == n
+        assert dst.numpy().tobytes() == data
+        dst.zero_()
+        fut = h.pread(dst, path, 4097, async_op=True)
+        assert fut.result() == n and dst.numpy().tobytes() == data
+        other = torch.empty(n, dtype=torch.uint8)
+        assert h.pread_many([(dst, path, 4097), (other, path, 4097)]) == [n, n]
+        assert other.numpy().tobytes() == data
+        assert h.pwrite(src, path, 9, async_op=True, fsync=True).result() == n
+        assert path.read_bytes()[9:9 + n] == data
+        s = h.stats
+        assert (s.reads - before.reads, s.writes - before.writes) == (4, 2)
+        assert s.read_bytes - before.read_bytes == 4 * n
+        assert s.async_ops - before.async_ops == 2
+        assert h.wait() == 2
+
+
+def test_a_failed_part_fails_the_whole_cross_lane_request(tmp_dir):
+    """One lane's part of a request fails (EFBIG past a file size limit, as a full disk
+    gives ENOSPC): the request fails as a whole, sync and async, naming the file, its size
+    and the bytes done; the statistics count one failed request."""
+    script = textwrap.dedent(f"""
+        import errno, resource, signal, torch
+        from aioswap import AioHandle
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (MiB, MiB))
+        n = 2 * MiB
+        src = torch.ones(n, dtype=torch.uint8)
+        with AioHandle(block_size=128 * KiB, intra_op_parallelism=2) as h:
+            for how in ("sync", "async"):
+                path = {str(tmp_dir)!r} + "/f-" + how
+                try:
+                    if how == "sync":
+                        h.pwrite(src, path, 0)
+                    else:
+                        h.pwrite(src, path, 0, async_op=True, fsync=True).result()
+                except OSError as exc:
+                    assert exc.errno == errno.EFBIG, exc
+                    assert path in str(exc) and f"of {{n}} bytes done" in str(exc), str(exc)
+                    assert MiB <= exc.offset < n, exc.offset
+                else:
+                    raise AssertionError("no error")
+            assert h.stats.failed == 2 and h.stats.writes == 0, h.stats
+        print("ok")
+    """).replace("MiB", str(MiB)).replace("KiB", str(KiB))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

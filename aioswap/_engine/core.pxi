@@ -2,32 +2,23 @@
 # path, its ledger of asynchronous requests and its statistics.
 # Part of aioswap/_aio.pyx (included there, one module).
 #
-# A plain contiguous CPU tensor, whole, on a file the handle opened, in one lane's queue,
-# sync, async or in a batch, goes from ``pread``/``pwrite`` to the kernel queue here, so that
-# Python costs such a request its checks and nothing else. Anything else (and every error)
-# goes to the handle's general path, an object the handle passes in (``general``), with the
-# handle as its first argument. Nothing here reads another object's private names: the
+# Every request of contiguous host memory (a tensor, a numpy array, any buffer; whole or
+# ``nbytes``; in one lane or cut across lanes; sync, async or in a batch) is built in one
+# place, ``Core._submit``: one Ticket for the request, one queue Request per part. Python
+# keeps the cold jobs, in the handle's general path (an object the handle passes in,
+# ``general``, called with the handle as its first argument): explaining a refusal, and
+# staging strided, conjugate/negative and CUDA buffers, which then come back through
+# ``Core.submit``. Nothing here reads another object's private names: the
 # handle, the registry (``engine_view``) and the futures (``aioswap._future.ENGINE``) hand
 # over what this uses when the Core is made.
 
-cdef object _SLOW = object()        # what the compiled path returns for the general one
-cdef object _OFF_MAX = 1 << 62      # larger offsets take the general path (which checks them)
-cdef object _strided = None         # torch.strided, once torch is in use
-cdef set _tensor_types = set()      # torch.Tensor and nn.Parameter, once torch is in use
+cdef object _OFF_MAX = 1 << 62      # larger offsets are refused (general path: why)
+#: The largest file offset a request may start at (4 EiB; no file system reaches it).
+MAX_OFFSET = _OFF_MAX
 _log = logging.getLogger("aioswap")
 # A thread that waits for asynchronous results reaps and delivers them itself, looking at
 # Python signals (KeyboardInterrupt) and at the state it waits for at least this often.
 cdef double _HELP_S = 0.01
-
-
-def learn_torch():
-    """Let the compiled path take tensors: called by a request that met one (aioswap never
-    imports torch itself; this finds it in ``sys.modules``)."""
-    global _strided
-    torch = sys.modules.get("torch")
-    if torch is not None and not _tensor_types:
-        _strided = torch.strided
-        _tensor_types.update((torch.Tensor, torch.nn.Parameter))
 
 
 # ------------------------------------------------------------------ the registry's view
@@ -126,23 +117,49 @@ cdef int _unhold_all(object io_lock, list holds) except -1:
 # ------------------------------------------------------------------------- records
 @cython.auto_pickle(False)
 cdef class Ticket:
-    """An asynchronous request from submission to its future's result, as the Core's ledger
-    sees it: its submission number (``seq``), its future (``fut``) and, once it failed, its
-    ``error``."""
+    """One request of a handle from submission to its result, as the Core sees it: what
+    finishing it needs (its file, the registry hold on its memory, its parts), and for an
+    asynchronous request its place in the ledger: its submission number (``seq``), its
+    future (``fut``) and, once it failed, its ``error``. A request cut across lanes is one
+    ticket over several queue :class:`Request` objects (its parts); a sync one in a batch
+    keeps them in :attr:`parts` until it is reaped."""
     cdef readonly object fut
     cdef readonly long long seq
     cdef public object error
-    cdef object file, hold
+    cdef readonly list parts        # a queued sync request: its queue requests, in order
+    cdef object file, hold, name
     cdef Core core
     cdef bint write, kept           # kept: the ledger keeps its error for wait()
+    cdef bint fsync                 # several parts: fsync once they are all done
+    cdef bint count                 # counted in the statistics as a request of its own
     cdef long long wgen             # the wait() generation that counted it (-1: none)
+    cdef int nparts, left           # its parts; those not finished yet
+    cdef object cut_short           # what stopped its submission, or a failed fsync
+    cdef int64_t offset
+    cdef uint64_t nbytes, done
+    # the failed part with the lowest offset (e_at -1: none): its errno (0: end of file),
+    # and the piece that failed
+    cdef int64_t e_at, e_off
+    cdef int e_err
+    cdef uint64_t e_n
 
+    cdef int note(self, Request rq) except -1:
+        # a finished part: its bytes, and its error when it is the first by offset
+        r = rq.r
+        self.done += r.done
+        if (r.err or r.eof) and (self.e_at < 0 or r.offset < self.e_at):
+            self.e_at = r.offset
+            self.e_err = r.err
+            self.e_off = r.err_offset
+            self.e_n = r.err_nbytes
+        return 0
 
-@cython.auto_pickle(False)
-cdef class ShortQueued:
-    """A sync request of the compiled path in a lane's queue (a batch call reaps it later)."""
-    cdef public Request rq          # holds the caller's buffer until the request is reaped
-    cdef public object file, hold
+    cdef object exception(self):
+        # the request's exception (naming all of it) from its noted parts, or None
+        if self.e_at < 0:
+            return None
+        return failure(self.name, self.write, self.offset, self.nbytes, self.done, self.e_err,
+                       self.e_off, self.e_n)
 
 
 cdef extern from "<fcntl.h>":
@@ -207,6 +224,16 @@ cdef inline tuple _batch_item(object general, item):
             return ((<tuple>item)[0], (<tuple>item)[1], 0)
         return <tuple>item
     return general.unpack(item)
+
+
+cdef int _drain_all(list subs) except -1:
+    # cancel queue requests and wait for what of them is in flight (nothing writes their
+    # memory afterwards)
+    for rq in subs:
+        (<Request>rq).cancel()
+    for rq in subs:
+        (<Request>rq).drain(False)
+    return 0
 
 
 # ---------------------------------------------------------------------------- the Core
@@ -325,10 +352,6 @@ cdef class Core:
             self.read_bytes += done
             self.reads += 1
 
-    def count_paths(self, int mode, uint64_t edges, uint64_t middle):
-        """Bytes per path of one request."""
-        self._count_paths(mode, edges, middle)
-
     def count_outcome(self, bint write, uint64_t done, bint failed):
         """One finished request."""
         self._count_outcome(write, done, failed)
@@ -351,42 +374,38 @@ cdef class Core:
         unit = off_align if off_align >= mem_align else mem_align
         return unit if self.block_size < unit else self.block_size // unit * unit
 
-    def piece(self, f):
-        """Piece size on ``f``: the block size rounded down to its alignment (at least one
-        aligned block)."""
-        return self._piece(f.direct, f.off_align, f.mem_align)
-
-    def next_lane(self):
-        """The lane a one-slice request goes to (round robin; a hint, races are fine)."""
-        cdef Py_ssize_t nl = len(self.lanes)
-        self.rr = (self.rr + 1) % nl
-        return self.lanes[self.rr]
-
-    def plan(self, f, uint64_t address, uint64_t n, int64_t offset, locked):
-        """:func:`plan` with this Core's registry."""
-        return plan(f, address, n, offset, locked, self.registry)
-
     # -- requests ------------------------------------------------------------------------
+    # Every request of a contiguous host buffer goes one way: its buffer resolved
+    # (``_host_buffer`` here, ``aioswap._buffers.resolve`` on the general path), its file
+    # found, then :meth:`_submit` builds its queue requests. The general path (the handle's
+    # Python) explains refusals and stages what is not contiguous host memory, then comes
+    # back through :meth:`submit`.
     def request(self, h, bint write, buffer, file, offset, nbytes, bint async_op, bint fsync):
-        """``AioHandle.pread``/``pwrite`` (``h``): the compiled path where it applies, else
-        the handle's general path."""
+        """``AioHandle.pread``/``pwrite`` (``h``): here when the buffer is contiguous host
+        memory and nothing is wrong, else the handle's general path."""
         return self._request(h, write, buffer, file, offset, nbytes, async_op, fsync)
 
     cdef object _request(self, h, bint write, buffer, file, offset, nbytes, bint async_op,
                          bint fsync):
+        cdef uint64_t addr, n
         if not _tensor_types:
             learn_torch()                   # torch imported since: its tensors come here
-        if (type(buffer) in _tensor_types and type(offset) is int and offset >= 0
+        if (type(offset) is int and 0 <= offset <= _OFF_MAX
                 and (nbytes is None or type(nbytes) is int)):
-            out = self._short_on(h, write, buffer, file, offset, nbytes, fsync,
-                                 1 if async_op else 0, None)
-            if out is not _SLOW:
-                return out
+            owner = _host_buffer(buffer, write, &addr, &n)
+            if owner is not _SLOW and (nbytes is None or 0 <= nbytes <= n):
+                if nbytes is not None:
+                    n = nbytes
+                if n:                       # (an empty request with fsync: an fsync alone)
+                    out = self._on_file(h, write, addr, n, owner, file, offset, fsync,
+                                        1 if async_op else 0, None)
+                    if out is not _SLOW:
+                        return out
         return self.general.request(h, write, buffer, file, offset, nbytes, async_op, fsync)
 
-    cdef object _short_on(self, h, bint write, buffer, file, offset, nbytes, bint fsync,
-                          int how, list sink):
-        # _short on the file behind ``file``: an AioFile as it is, else the handle's own file
+    cdef object _on_file(self, h, bint write, uint64_t addr, uint64_t n, owner, file,
+                         int64_t offset, bint fsync, int how, list sink):
+        # _submit on the file behind ``file``: an AioFile as it is, else the handle's own file
         # in one C call (its stat gives the size a read checks); on a miss (its first use:
         # an open follows) the general path's short_file asks once more, then opens it or
         # refuses the argument. _SLOW where the general path decides.
@@ -403,11 +422,34 @@ cdef class Core:
         if f is None:
             return _SLOW
         try:
-            return self._short(write, buffer, <AioFile>f, offset, nbytes, fsync, how, file, sink,
-                               size)
+            return self._submit(write, addr, n, owner, <AioFile>f, offset, fsync, how, file,
+                                sink, size, False, True, False)
         finally:
             if f is not file:
                 (<AioFile>f).release()      # the request counted itself on the file
+
+    def submit(self, bint write, uint64_t address, uint64_t nbytes, owner, AioFile f, offset,
+               *, bint fsync=False, bint async_op=False, bint queue=False, arg=None,
+               list sink=None, bint count=True, bint entered=False):
+        """The request of ``nbytes`` bytes of contiguous host memory at ``address`` (kept
+        valid by ``owner`` until the request is over) at ``offset`` of ``f``, for the
+        general path once it has checked and staged what it was given: the bytes moved
+        (sync), an :class:`IOFuture` (``async_op``) or, with ``queue``, a :class:`Ticket`
+        of a queued sync request for :meth:`short_finish`. ``arg``: what the caller passed
+        as the file (the future's name for it); ``sink``: a list each queue request is
+        appended to as it is queued; ``count``: False leaves it out of the request counts
+        (a part of a larger request); ``entered``: the caller counted a request in
+        (:meth:`enter`) that this is part of, so it runs even once the handle is closing.
+        Raises what makes it impossible (the handle or file closed, the access, the end of
+        the file)."""
+        if offset > _OFF_MAX:
+            raise ValueError(f"file offset {offset} of {f.name} is beyond the largest one "
+                             f"aioswap takes ({_OFF_MAX})")
+        if nbytes == 0:
+            raise ValueError(f"an empty request on {f.name} has nothing to submit")
+        return self._submit(write, address, nbytes, owner, f, offset, fsync,
+                            2 if queue else 1 if async_op else 0, f if arg is None else arg,
+                            sink, -1, True, count, entered)
 
     def cached_hit(self, file, bint write):
         """The handle's own open file behind a path or fd argument, when it has one that
@@ -461,96 +503,132 @@ cdef class Core:
             self.lock.release()
         return None
 
-    cdef object _short(self, bint write, t, AioFile f, offset, nbytes, bint fsync, int how,
-                       arg, list sink, int64_t known):
-        # The compiled path of the common request: a plain contiguous CPU tensor, whole, on a
-        # file this handle opened, in one lane's queue; the same checks and accounting as
-        # the general path, with the handle and the file counted under one lock. ``how`` 0
-        # runs it and returns the bytes moved, 1 returns its future, 2 queues it and returns
-        # a ShortQueued (for short_finish); _SLOW for anything else (the general path then
-        # also raises every error). nbytes: None (the whole tensor) or an int, the bytes at
-        # its start; fsync: the data and size durable before the request completes. known:
-        # the file's size by a stat of this request (cached_hit), else -1.
-        cdef int64_t off
-        cdef uint64_t n, addr, align, edges, middle
-        cdef int64_t size
-        cdef int mode
+    cdef object _refuse(self, bint explain, int why, AioFile f, bint write, int64_t off,
+                        uint64_t n, int64_t size):
+        # _SLOW (the general path then explains), or with ``explain`` the error itself
+        if not explain:
+            return _SLOW
+        op = "write" if write else "read"
+        if why == 1:
+            if self.generation != _fork_gen:
+                raise RuntimeError(f"{op} of {f.name}: this AioHandle cannot be used after "
+                                   f"fork(); create a new AioHandle in the child")
+            raise HandleClosedError(f"{op} of {f.name} on a closed AioHandle")
+        if why == 2:
+            raise ValueError(f"I/O on closed file {f.name}")
+        if why == 3:
+            raise PermissionError(f"{f.name} is not open for "
+                                  f"{'writing' if write else 'reading'}")
+        raise ShortReadError(
+            f"read of {n} bytes at offset {off} from {f.name} goes past the end of the file "
+            f"({size} bytes)", path=f.name, offset=off, nbytes=n, file_size=size)
+
+    cdef object _submit(self, bint write, uint64_t addr, uint64_t n, owner, AioFile f,
+                        int64_t off, bint fsync, int how, arg, list sink, int64_t known,
+                        bint explain, bint count, bint entered):
+        # The one place requests are built: ``n`` (> 0) bytes of contiguous host memory at
+        # ``addr`` (``owner`` keeps it valid) at ``off`` of ``f``, in one lane's queue, or
+        # cut across the lanes at piece boundaries when it is at least two pieces. ``how``
+        # 0 runs it and returns the bytes moved, 1 returns its future, 2 queues it (sync)
+        # and returns its Ticket (for short_finish). _SLOW where something is wrong and not
+        # ``explain`` (else that error is raised). known: the file's size by a stat of this
+        # request (cached_hit), else -1. fsync: the data and size durable before the
+        # request completes. entered: part of a request counted in already (a closing
+        # handle lets it run).
+        cdef uint64_t piece, align, edges, middle, per, c, prev
+        cdef int64_t size = -1
+        cdef int mode, nparts = 1, i
         cdef bint locked, counted = False
         cdef AioQueue q
-        cdef Ticket ticket = None
+        cdef Ticket t = None
         cdef Request rq
-        cdef ShortQueued sq
         cdef stat_lite lst
-        cdef Py_ssize_t nl
-        if (type(offset) is not int or offset < 0 or offset > _OFF_MAX or f._core is not self
-                or f._closed or self.generation != _fork_gen or not t.is_cpu
-                or t.layout is not _strided or not t.is_contiguous() or t.is_conj()
-                or t.is_neg()):
-            return _SLOW
-        n = t.nbytes
-        if nbytes is not None:
-            if nbytes < 0 or nbytes > n:
-                return _SLOW                # refused there, naming the buffer's size
-            n = nbytes
-        if n == 0 or not (f.writable if write else f.readable):
-            return _SLOW                    # (an empty request with fsync: an fsync alone)
+        cdef Py_ssize_t nl, k
+        cdef list cuts = None, use, subs
+        if (self.closed and not entered) or self.generation != _fork_gen:
+            return self._refuse(explain, 1, f, write, off, n, size)
+        if f._closed:
+            return self._refuse(explain, 2, f, write, off, n, size)
+        if not (f.writable if write else f.readable):
+            return self._refuse(explain, 3, f, write, off, n, size)
+        piece = (f.piece if f._core is self
+                 else self._piece(f.direct, f.off_align, f.mem_align))
         lanes = self.lanes
         nl = len(lanes)
-        if nl > 1:
-            if n >= 2 * f.piece:
-                return _SLOW                # cut across the lanes
-            self.rr = (self.rr + 1) % nl    # a hint: races are fine
-            lane = lanes[self.rr]
+        if nl > 1 and n >= 2 * piece:
+            # cut across the lanes at file offsets that are multiples of the piece: no cut
+            # is an unaligned edge
+            per = (n + nl - 1) // nl
+            cuts = [0]
+            prev = 0
+            for k in range(1, nl):
+                c = (<uint64_t>off + k * per + piece - 1) // piece * piece - <uint64_t>off
+                if prev < c < n:
+                    cuts.append(c)
+                    prev = c
+            cuts.append(n)
+            nparts = len(cuts) - 1
+            use = lanes[:nparts]
         else:
-            lane = lanes[0]
-        off = offset
-        fd = f._fd
+            if nl > 1:
+                self.rr = (self.rr + 1) % nl    # a hint: races are fine
+                use = [lanes[self.rr]]
+            else:
+                use = lanes
         if not write:
             # the size now, not a remembered one: an O_DIRECT read past the end of a file
             # that another process truncated would zero-fill the destination past the data
             if known >= 0:
                 size = known                # stat-ed by this request a moment ago
-            elif f.block_device or stat_lite_fd(fd, &lst) < 0:
+            elif f.block_device or stat_lite_fd(f._fd, &lst) < 0:
                 size = f.size()             # (raises what the stat met)
             else:
                 size = lst.size
             if off + <int64_t>n > size:
-                return _SLOW                # raises ShortReadError before any I/O
-        addr = t.data_ptr()
+                return self._refuse(explain, 4, f, write, off, n, size)
         hold = _io_hold(self.registry, self.host, self.io_lock, self.allocated, addr, n,
                         &locked)
         try:
             align = f.off_align
             mode = _plan(f.direct, align, f.mem_align, addr, n, off, locked, self.registry,
                          &edges, &middle)
-            if mode == M_BOUNCE or edges:   # direct and aligned: no ring to lock for it
-                ring = lane.ring
-                if not ring.attached:
-                    ring.ensure()
-            q = lane.queue
-            if how == 1:
-                ticket = Ticket.__new__(Ticket)
-                ticket.fut = self.new_future("write" if write else "read", arg, n, offset, q)
-                ticket.core = self
-                ticket.write = write
-                ticket.file = f
-                ticket.hold = hold
-                ticket.wgen = -1
-                if lane.thread is None:
+            for lane in use:
+                if mode == M_BOUNCE or edges:   # direct and aligned: no ring to lock for it
+                    ring = lane.ring
+                    if not ring.attached:
+                        ring.ensure()
+                if how == 1 and lane.thread is None:
                     lane.start()
-            if ticket is None:
+            if how or nparts > 1:
+                t = Ticket.__new__(Ticket)
+                t.core = self
+                t.write = write
+                t.file = f
+                t.hold = hold
+                t.name = f.name
+                t.wgen = -1
+                t.nparts = t.left = nparts
+                t.offset = off
+                t.nbytes = n
+                t.e_at = -1
+                t.fsync = fsync and write and nparts > 1
+                t.count = count
+                if how == 1:
+                    t.fut = self.new_future("write" if write else "read", arg, n, off,
+                                            (<object>use[0]).queue if nparts == 1 else None)
+            if how != 1:
                 # counted in without the lock: no Python code runs between the checks and
                 # the counts (see Core)
-                if not self.closed and f.pin():
+                if (not self.closed or entered) and f.pin():
                     self.active += 1
                     counted = True
             else:
                 self.lock.acquire()
                 try:
-                    if not self.closed and f.pin():
+                    if (not self.closed or entered) and f.pin():
                         self.active += 1
                         counted = True
-                        ticket.seq = self.seq
+                        t.seq = self.seq
                         self.opened.append(self.seq)
                         self.seq += 1
                         self.async_ops += 1
@@ -565,63 +643,140 @@ cdef class Core:
         if not counted:
             if hold is not None:
                 _unhold(self.io_lock, hold)
-            return _SLOW                    # raises the closed error
-        if ticket is not None:
-            try:
-                q._submit(fd, write, addr, n, off, mode, align, f.piece, f.state, fsync, False,
-                          ticket, f.name, t, None)
-            except BaseException:
-                self.lock.acquire()
+            return self._refuse(explain, 1 if self.closed else 2, f, write, off, n, size)
+        if nparts == 1:
+            q = (<object>use[0]).queue
+            if how == 0:
+                done = -1
                 try:
-                    self._finished_locked(ticket, None, False)
+                    done = q._run(f._fd, write, addr, n, off, mode, align, piece, f.state,
+                                  fsync, f.name)
                 finally:
-                    self.lock.release()
-                self._short_done(f, hold, write, 0, True)
-                raise
-            return ticket.fut
-        if how == 2:
+                    # an error or an interruption (the queue drained the request first)
+                    self._short_done(f, hold, write, max(done, 0), done < 0, count)
+                return done
             try:
-                rq = q._submit(fd, write, addr, n, off, mode, align, f.piece, f.state, fsync,
-                               True, None, f.name, t, sink)
+                rq = q._submit(f._fd, write, addr, n, off, mode, align, piece, f.state, fsync,
+                               how == 2, t if how == 1 else None, f.name, owner, sink)
             except BaseException:
-                self._short_done(f, hold, write, 0, True)
+                self._not_submitted(t, how)
                 raise
-            sq = ShortQueued.__new__(ShortQueued)
-            sq.rq = rq
-            sq.file = f
-            sq.hold = hold
-            return sq
-        done = -1
+            if how == 1:
+                return t.fut
+            t.parts = [rq]
+            return t
+        # several parts, one per lane: each is fsync-ed with the others at the end
+        subs = []
         try:
-            done = q._run(fd, write, addr, n, off, mode, align, f.piece, f.state, fsync,
-                          f.name)
-        finally:
-            # an error or an interruption (the queue drained the request first) is raised
-            self._short_done(f, hold, write, max(done, 0), done < 0)
-        return done
+            for i in range(nparts):
+                c = <uint64_t>cuts[i]
+                (<AioQueue>(<object>use[i]).queue)._submit(
+                    f._fd, write, addr + c, <uint64_t>cuts[i + 1] - c, off + <int64_t>c, mode,
+                    align, piece, f.state, False, how != 1, t if how == 1 else None, f.name,
+                    owner, subs)
+                if sink is not None:
+                    sink.append(subs[len(subs) - 1])
+        except BaseException as exc:
+            if how != 1 or not subs:
+                _drain_all(subs)
+                self._not_submitted(t, how)
+                raise
+            # some parts run: the request fails with this error once they are done
+            self.lock.acquire()
+            try:
+                t.cut_short = exc
+                t.left -= nparts - len(subs)
+                last = t.left == 0
+            finally:
+                self.lock.release()
+            if last:
+                self._end_tickets([t])
+            return t.fut
+        if how == 1:
+            return t.fut
+        t.parts = subs
+        if how == 2:
+            return t
+        return self._reap(t, False)
 
-    cdef _short_done(self, AioFile f, hold, bint write, uint64_t done, bint failed):
-        # a sync request of the compiled path is over (failed: with an error the caller
-        # raises): uncount it on the handle and the file
+    cdef int _not_submitted(self, Ticket t, int how) except -1:
+        # a request that never reached a queue is over: uncounted (its caller gets the error;
+        # wait() neither counts nor raises it)
+        if how == 1:
+            self.lock.acquire()
+            try:
+                self._finished_locked(t, None, False)
+            finally:
+                self.lock.release()
+        self._short_done(t.file, t.hold, t.write, 0, True, t.count)
+        return 0
+
+    cdef _short_done(self, AioFile f, hold, bint write, uint64_t done, bint failed,
+                     bint count):
+        # a sync request is over (failed: with an error the caller raises): uncount it on
+        # the handle and the file
         last = f.unpin()
-        self._count_outcome(write, done, failed)
+        if count:
+            self._count_outcome(write, done, failed)
         self.leave_(1, False)
         if hold is not None:
             _unhold(self.io_lock, hold)
         if last:
             f._close_fd()
 
-    def short_finish(self, ShortQueued sq, bint drain=False):
-        """Reap a queued request of the compiled path (``drain``: without looking at
-        signals)."""
-        cdef Request rq = sq.rq
-        done = -1
+    cdef object _reap(self, Ticket t, bint drain):
+        # wait for (``drain``: without looking at signals) the parts of a sync request, in
+        # order; its bytes, or its error raised. A signal handler's exception stops the
+        # wait: what is left is cancelled and drained first (nothing writes the caller's
+        # memory afterwards).
+        cdef Request rq
+        cdef Py_ssize_t waited = 0
+        cdef list parts = t.parts
         try:
-            done = rq.drain() if drain else rq.wait()
-        finally:
-            self._short_done(<AioFile>sq.file, sq.hold, rq.r.opcode == abi.IOCB_CMD_PWRITE,
-                             rq.r.done if rq.seen else 0, done < 0)
-        return done
+            for item in parts:
+                rq = <Request>item
+                if drain:
+                    rq.drain(False)
+                else:
+                    rq.wait(False)          # (the request's own error is raised below)
+                waited += 1
+        except BaseException:
+            _drain_all(parts[waited + 1:])
+            self._short_done(t.file, t.hold, t.write, 0, True, t.count)
+            raise
+        for item in parts:
+            t.note(<Request>item)
+        err = t.exception()
+        if err is None and t.fsync:
+            try:
+                os.fsync((<AioFile>t.file)._fd)
+            except OSError as e:
+                err = e
+        self._short_done(t.file, t.hold, t.write, t.done, err is not None, t.count)
+        if err is not None:
+            raise err
+        return t.done
+
+    def short_finish(self, Ticket t, bint drain=False):
+        """Reap a queued sync request (``submit(queue=True)``, a batch item): its bytes, or
+        its error raised (``drain``: without looking at signals)."""
+        return self._reap(t, drain)
+
+    def abandon(self, list queued, bint cancel=True):
+        """Stop queued sync requests (an error or a signal ends a batch): cancelled (unless
+        not ``cancel``), then each drained and finished; their errors are dropped. Items
+        that are not tickets (the general path's, not started) are left alone."""
+        if cancel:
+            for q in queued:
+                if type(q) is Ticket:
+                    for rq in (<Ticket>q).parts:
+                        (<Request>rq).cancel()
+        for q in queued:
+            if type(q) is Ticket:
+                try:
+                    self._reap(<Ticket>q, True)
+                except Exception:
+                    pass
 
     # -- batches -------------------------------------------------------------------------
     def many_async(self, h, bint write, requests, list futs):
@@ -635,19 +790,22 @@ cdef class Core:
     def many_queue(self, h, bint write, requests, list queued, list subs):
         """The queueing half of a sync ``pread_many``/``pwrite_many``: every ``(buffer,
         file[, offset])`` of ``requests`` queued in turn, each appended to ``queued`` as soon
-        as it is queued (a :class:`ShortQueued` on the compiled path, else what the general
-        path's ``many_slow`` made of it), so the caller can finish or abandon them if this
-        raises."""
+        as it is queued (a :class:`Ticket`, else what the general path's ``many_slow`` made
+        of it), so the caller can finish or abandon them if this raises. ``subs``: every
+        queue request, as it is queued."""
+        cdef uint64_t addr, n
         general = self.general
         if not _tensor_types:
             learn_torch()
         for item in requests:
             buf, file, off = _batch_item(general, item)
-            if type(buf) in _tensor_types and type(off) is int and off >= 0:
-                sq = self._short_on(h, write, buf, file, off, None, False, 2, subs)
-                if sq is not _SLOW:
-                    queued.append(sq)
-                    continue
+            if type(off) is int and 0 <= off <= _OFF_MAX:
+                owner = _host_buffer(buf, write, &addr, &n)
+                if owner is not _SLOW and n:
+                    t = self._on_file(h, write, addr, n, owner, file, off, False, 2, subs)
+                    if t is not _SLOW:
+                        queued.append(t)
+                        continue
             queued.append(general.many_slow(h, write, buf, file, off, subs))
 
     def many_finish(self, h, list queued):
@@ -660,15 +818,15 @@ cdef class Core:
         for i in range(n):
             q = queued[i]
             try:
-                if type(q) is ShortQueued:
-                    out[i] = self.short_finish(<ShortQueued>q)
+                if type(q) is Ticket:
+                    out[i] = self._reap(<Ticket>q, False)
                 else:
                     out[i] = self.general.many_finish_slow(h, q)
             except (OSError, ValueError, EOFError) as exc:
                 if first is None:
                     first = exc
             except BaseException:
-                self.general.abandon(h, queued[i + 1:])
+                self.abandon(queued[i + 1:])
                 raise
         return out, first
 
@@ -730,12 +888,53 @@ cdef class Core:
             raise late
 
     def complete(self, list items):
-        """A lane's completion thread: a batch of finished requests of the compiled path
-        (the counters updated once per batch, under one hold of the lock)."""
+        """A lane's completion thread: a batch of finished queue requests of asynchronous
+        requests. A request in one part is over with it; one cut across lanes with its last
+        part (then fsync-ed once, when asked)."""
         cdef Request rq
         cdef Ticket t
+        cdef list ended = [], parts = None
+        for item in items:
+            rq = <Request>item
+            t = <Ticket>rq.token
+            if t.nparts == 1:
+                t.note(rq)
+                ended.append(t)
+            else:
+                if parts is None:
+                    parts = []
+                parts.append(rq)
+        if parts is not None:
+            self.lock.acquire()
+            try:
+                whole = []
+                for item in parts:
+                    rq = <Request>item
+                    t = <Ticket>rq.token
+                    t.note(rq)
+                    t.left -= 1
+                    if t.left == 0:
+                        whole.append(t)
+            finally:
+                self.lock.release()
+            for item in whole:
+                t = <Ticket>item
+                if t.fsync and t.cut_short is None and t.e_at < 0:
+                    try:
+                        os.fsync((<AioFile>t.file)._fd)
+                    except OSError as e:
+                        t.cut_short = e
+                ended.append(t)
+        if ended:
+            self._end_tickets(ended)
+
+    cdef int _end_tickets(self, list ended) except -1:
+        # asynchronous requests are over: into the ledger and the statistics (counters
+        # updated once per batch, under one hold of the lock), their holds and files let
+        # go, then their futures finished
+        cdef Ticket t
         cdef AioFile f
-        cdef Py_ssize_t n = len(items)
+        cdef Py_ssize_t n = len(ended)
         cdef uint64_t rbytes = 0, wbytes = 0
         cdef Py_ssize_t nreads = 0, nwrites = 0, nfailed = 0
         closing = []
@@ -745,13 +944,12 @@ cdef class Core:
             wait_gen = self.wait_gen
             opened = self.opened
             closed = self.closed_seqs
-            for item in items:
-                rq = <Request>item
-                t = <Ticket>rq.token
+            for item in ended:
+                t = <Ticket>item
                 f = <AioFile>t.file
                 if f.unpin():
                     closing.append(f)
-                err = rq.error() if rq.r.err or rq.r.eof else None
+                err = t.cut_short if t.cut_short is not None else t.exception()
                 t.error = err
                 t.wgen = wait_gen
                 if err is not None:
@@ -760,10 +958,10 @@ cdef class Core:
                     self.errors.append(t)
                 elif t.write:
                     nwrites += 1
-                    wbytes += rq.r.done
+                    wbytes += t.done
                 else:
                     nreads += 1
-                    rbytes += rq.r.done
+                    rbytes += t.done
                 _close_seq(opened, closed, t.seq)
             self.unwaited += n
             if nreads:
@@ -778,14 +976,12 @@ cdef class Core:
             late = self._wake_waiters()
         finally:
             self.lock.release()
-        holds = [(<Ticket>(<Request>item).token).hold for item in items]
-        _unhold_all(self.io_lock, holds)
+        _unhold_all(self.io_lock, [(<Ticket>item).hold for item in ended])
         finish = self.finish_future
-        for item in items:
-            rq = <Request>item
-            t = <Ticket>rq.token
+        for item in ended:
+            t = <Ticket>item
             try:
-                finish(t.fut, rq.r.done, t.error, t.wgen, self if t.kept else None)
+                finish(t.fut, t.done, t.error, t.wgen, self if t.kept else None)
             except Exception:               # a callback's error stays with it
                 _log.exception("aioswap: completing a request failed")
             except BaseException as exc:    # a signal: raised once the batch is delivered
@@ -794,6 +990,7 @@ cdef class Core:
             (<AioFile>item)._close_fd()
         if late is not None:
             raise late
+        return 0
 
     def wait(self, bint own_thread=False):
         """Finish every outstanding asynchronous request; how many there were (see

@@ -39,6 +39,62 @@ _populate = _populate_known()
 
 cdef extern from "Python.h":
     object PyMemoryView_FromMemory(char* mem, Py_ssize_t size, int flags)
+    object PyMemoryView_FromObject(object obj)
+    Py_buffer* PyMemoryView_GET_BUFFER(object mv)
+    bint PyObject_CheckBuffer(object obj)
+    int PyBuffer_IsContiguous(const Py_buffer* view, char order)
+
+
+# ------------------------------------------------------------------------ buffers
+# The compiled half of ``aioswap._buffers.resolve``: the buffers requests carry every day
+# (plain CPU tensors, numpy arrays, bytes-like objects), resolved without running Python.
+# What it does not take (strided views, CUDA tensors, object arrays, exotic exporters) is
+# left to ``resolve``, which also explains refusals.
+cdef object _SLOW = object()        # "not here: the general path decides"
+cdef object _strided = None         # torch.strided, once torch is in use
+cdef set _tensor_types = set()      # torch.Tensor and nn.Parameter, once torch is in use
+
+
+def learn_torch():
+    """Let the compiled path take tensors: called by a request that met one (aioswap never
+    imports torch itself; this finds it in ``sys.modules``)."""
+    global _strided
+    torch = sys.modules.get("torch")
+    if torch is not None and not _tensor_types:
+        _strided = torch.strided
+        _tensor_types.update((torch.Tensor, torch.nn.Parameter))
+
+
+cdef object _host_buffer(object buffer, bint write, uint64_t* addr, uint64_t* n):
+    # The object that keeps a contiguous CPU buffer's memory valid while a request uses it
+    # (the tensor itself; for any other exporter a memoryview, which holds its export, so a
+    # bytearray cannot be resized under the request), with its address and size in bytes;
+    # _SLOW for anything else. A read needs a writable buffer.
+    cdef Py_buffer* view
+    cdef const char* fmt
+    tb = type(buffer)
+    if tb in _tensor_types:
+        if (not buffer.is_cpu or buffer.layout is not _strided or not buffer.is_contiguous()
+                or buffer.is_conj() or buffer.is_neg()):
+            return _SLOW
+        addr[0] = buffer.data_ptr()
+        n[0] = buffer.nbytes
+        return buffer
+    if tb is int or tb is str or tb is float or not PyObject_CheckBuffer(buffer):
+        return _SLOW
+    try:
+        mv = PyMemoryView_FromObject(buffer)
+    except Exception:
+        return _SLOW                        # (resolve names what is wrong)
+    view = PyMemoryView_GET_BUFFER(mv)
+    if not PyBuffer_IsContiguous(view, b'C') or (view.readonly and not write):
+        return _SLOW
+    fmt = view.format
+    if fmt != NULL and strchr(fmt, 79) != NULL:     # 'O': Python object pointers, not data
+        return _SLOW
+    addr[0] = <uint64_t><uintptr_t>view.buf
+    n[0] = <uint64_t>view.len
+    return mv
 
 
 def address_view(size_t address, Py_ssize_t nbytes):
