@@ -202,3 +202,43 @@ def test_safetensors_loads_adapt_and_are_byte_exact(tmp_dir: Path, read: str | N
             shutil.rmtree(base, ignore_errors=True)
     with pytest.raises(ValueError, match="read='fast'"):
         ast.load_file(p, read="fast")
+
+
+def test_a_range_cached_in_part_is_copied_and_read_direct_at_once(tmp_dir: Path) -> None:
+    """Every other 4 MiB of a 32 MiB range in the page cache: auto copies those and reads
+    the others direct (one future for all of it), byte-exact; cold it reads all direct,
+    warm it copies all."""
+    import torch
+
+    import aioswap
+    p = tmp_dir / "h.bin"
+    data = _file(p, 33 << 20)
+    size = 32 << 20
+    with aioswap.AioHandle() as h, h.open(p, "r") as f:
+        if not f.direct:
+            pytest.skip("this file system takes no O_DIRECT")
+        for state in ("cold", "half", "warm"):
+            drop(p)
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                if _adaptive.cached_bytes(fd, 0, size) > 1 << 20:
+                    pytest.skip("this file system keeps the pages (tmpfs?)")
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)    # no read-ahead past it
+                for o in range(0, size, 4 << 20):
+                    if state == "warm" or (state == "half" and (o >> 22) % 2):
+                        os.pread(fd, 4 << 20, 4096 + o)
+            finally:
+                os.close(fd)
+            r = _adaptive.Reader("auto", "test")
+            dst = torch.empty(size, dtype=torch.uint8)
+            assert r.pread(f, dst, 4096).result() == size
+            copied, direct = r.copied, r.direct
+            r.close()
+            assert dst.numpy().tobytes() == data[4096:4096 + size], state
+            assert copied + direct == size
+            if state == "cold":
+                assert copied == 0
+            elif state == "warm":
+                assert direct == 0
+            else:       # pieces aligned to 4 MiB in the file: the runs are cut off by 4 KiB
+                assert size // 4 <= copied <= 3 * size // 4, (copied, direct)
