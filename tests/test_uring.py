@@ -26,7 +26,7 @@ import torch
 import aioswap
 from aioswap import _aio
 from aioswap._aio import MODE_BOUNCE, MODE_DIRECT, AioQueue, LockedMemory, open_direct
-from aioswap.cli import _fs_type
+from aioswap._info import fs_type as _fs_type
 
 KiB = 1 << 10
 MiB = 1 << 20
