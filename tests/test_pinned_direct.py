@@ -21,6 +21,7 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -115,15 +116,15 @@ def test_own_unlocked_memory_is_direct_not_pinned(reg: PinnedRegistry) -> None:
         reg.unregister(mem.address)                         # it goes with its memory only
     # the caller's unlocked memory is neither
     plain, arr = torch.empty(4096, dtype=torch.uint8), np.empty(4096, dtype=np.uint8)
-    for x in (plain, arr, (plain.data_ptr(), 16)):
-        assert not reg.is_pinned(x) and not reg.is_direct(x)
+    for other in (plain, arr, (plain.data_ptr(), 16)):
+        assert not reg.is_pinned(other) and not reg.is_direct(other)
     assert reg.io_hold(plain.data_ptr(), 16) == (None, False)
     # a locked allocation beside it is both
     reg.set_budget(None)
     locked = reg.allocate(PAGE_SIZE)
     assert reg.is_pinned(locked) and reg.is_direct(locked)
     assert reg.stats().bytes_locked == PAGE_SIZE
-    del mem, t, locked
+    del mem, t, locked, x                                   # x: the last view looked at
     collect()
     s = reg.stats()
     assert (s.ranges, s.bytes_locked, s.unlocked_ranges, s.unlocked_bytes) == (0, 0, 0, 0)
@@ -156,10 +157,11 @@ def test_the_engine_look_up_answers_as_io_hold_for_unlocked_memory(reg: PinnedRe
                 reg.engine_view()[0].snap = None
             ours, want = _aio.io_hold(reg, addr, n), reg.io_hold(addr, n)
             assert (ours[0] is want[0], ours[1]) == (True, want[1]), (addr, n)
-            if want[0] is not None:
-                assert want[1] and want[0].io == 2
+            tok: Any = want[0]
+            if tok is not None:
+                assert want[1] and tok.io == 2                  # held by each
                 reg.unhold(ours[0])
-                reg.unhold(want[0])
+                reg.unhold(tok)
     assert [reg.io_hold(a, n)[1] for a, n in cases] == [True, True, True, False, False, False]
 
 
