@@ -1,11 +1,20 @@
 """Process-wide registry of page-locked ("pinned") memory.
 
 :data:`registry`, the one :class:`PinnedRegistry` of the process, answers before every I/O
-request whether a buffer lies entirely inside locked memory, so that the request can go
-straight to the drive with ``O_DIRECT`` or must be staged through a bounce buffer. It keeps
-two :class:`~aioswap._ranges.RangeIndex` of ranges ``[start, end)``: locked host memory, and
-device memory registered with cuFile (:mod:`aioswap.gds` registers there and looks up the
-registered base of a device address there).
+request whether a buffer lies entirely inside memory that direct I/O may use, so that the
+request can go straight to the drive with ``O_DIRECT`` or must be staged through a bounce
+buffer. It keeps two :class:`~aioswap._ranges.RangeIndex` of ranges ``[start, end)``: host
+memory, and device memory registered with cuFile (:mod:`aioswap.gds` registers there and
+looks up the registered base of a device address there).
+
+The host index holds locked memory (allocated here or registered) and also the *unlocked*
+memory a ``strict=False`` allocation hands out where ``mlock`` is refused (a normal user's
+``RLIMIT_MEMLOCK``). That memory is not pinned (:meth:`PinnedRegistry.is_pinned` says False,
+and it never counts as locked bytes), but it is aioswap's own page-aligned anonymous memory
+whose lifetime the registry controls, so direct I/O on the CPU may use it all the same: for
+an ``O_DIRECT`` request the kernel pins the pages itself for as long as the I/O runs.
+:meth:`PinnedRegistry.is_direct` and :meth:`PinnedRegistry.io_hold` answer for it; user
+memory that is not locked is never in the index and is staged as before.
 
 It also hands out locked memory (:func:`allocate`, :func:`empty`) and records ranges locked
 elsewhere (:func:`register`).
@@ -57,6 +66,7 @@ __all__ = [
     "allocate",
     "empty",
     "free",
+    "is_direct",
     "is_pinned",
     "register",
     "registry",
@@ -74,7 +84,10 @@ ShapeLike = Union[int, Sequence[int]]
 # Kinds of range records.
 _ALLOCATED = "allocated"    # locked by allocate(); lives as long as its LockedMemory
 _EXTERNAL = "external"      # locked elsewhere, recorded by register()
-_UNLOCKED = "unlocked"      # strict=False fallback: tracked for free(), never in an index
+_UNLOCKED = "unlocked"      # strict=False fallback: aioswap's own unlocked memory, indexed
+                            # for direct I/O and I/O holds, never pinned nor counted as locked
+# Kinds of this registry's own memory: an I/O hold counts on it and free() takes it.
+_OWN = frozenset((_ALLOCATED, _UNLOCKED))
 
 # errno values mlock(2) uses for "not allowed to lock that much".
 _MLOCK_LIMIT_ERRNOS = frozenset({errno.EPERM, errno.ENOMEM, errno.EAGAIN})
@@ -87,7 +100,7 @@ class PinnedStats:
     Attributes
     ----------
     ranges : int
-        Host ranges registered: allocations plus external registrations.
+        Locked host ranges registered: allocations plus external registrations.
     bytes_locked : int
         Bytes in those ranges (allocations count whole pages: what is locked).
     peak_bytes : int
@@ -104,6 +117,10 @@ class PinnedStats:
         Bytes in device ranges.
     unlocked_fallbacks : int
         ``strict=False`` allocations that got unlocked memory since the registry was created.
+    unlocked_ranges : int
+        Those of them alive now (direct I/O capable, never counted as locked).
+    unlocked_bytes : int
+        Bytes of those ranges (whole pages).
     """
 
     ranges: int
@@ -115,6 +132,8 @@ class PinnedStats:
     device_ranges: int
     device_bytes: int
     unlocked_fallbacks: int
+    unlocked_ranges: int
+    unlocked_bytes: int
 
 
 class _Range:
@@ -136,8 +155,9 @@ class _Range:
 
 
 def _released(rec: _Range) -> bool:
-    """Whether ``rec`` is an allocation whose LockedMemory is gone or was released."""
-    if rec.kind != _ALLOCATED or rec.ref is None:
+    """Whether ``rec`` is an allocation (locked or not) whose LockedMemory is gone or was
+    released."""
+    if rec.kind == _EXTERNAL or rec.ref is None:
         return False
     mem = rec.ref()
     return mem is None or mem.closed
@@ -368,7 +388,8 @@ class PinnedRegistry:
         self._device: RangeIndex[_Range] = RangeIndex(self._critical)
         # guards each record's ``io`` count; aioswap._aio._io_hold/_unhold take it too
         self._io_lock = threading.Lock()
-        self._unlocked: dict[int, _Range] = {}
+        self._unlocked_ranges = 0
+        self._unlocked_bytes = 0
         self._bytes_locked = 0
         self._peak = 0
         self._reserved = 0
@@ -428,6 +449,9 @@ class PinnedRegistry:
         size = rec.end - rec.start
         if rec.device:
             self._device_bytes += size
+        elif rec.kind == _UNLOCKED:
+            self._unlocked_ranges += 1
+            self._unlocked_bytes += size
         else:
             self._bytes_locked += size
             self._peak = max(self._peak, self._bytes_locked)
@@ -441,16 +465,15 @@ class PinnedRegistry:
             return
         rec.live = False
         rec.owner = None
-        if rec.kind == _UNLOCKED:
-            if self._unlocked.get(rec.start) is rec:
-                del self._unlocked[rec.start]
-            return
         index = self._device if rec.device else self._host
         if index.remove(rec.start, rec) is None:
             return
         size = rec.end - rec.start
         if rec.device:
             self._device_bytes -= size
+        elif rec.kind == _UNLOCKED:
+            self._unlocked_ranges -= 1
+            self._unlocked_bytes -= size
         else:
             self._bytes_locked -= size
             if rec.kind == _ALLOCATED:
@@ -497,8 +520,25 @@ class PinnedRegistry:
         current snapshot, O(log n) in the number of ranges. A contiguous tensor costs
         ``data_ptr()`` and ``nbytes``; a strided view is first checked by its storage's
         extent (a view lies inside its storage) and its strides are walked only when that
-        does not settle it.
+        does not settle it. Unlocked memory from ``allocate(strict=False)`` is not pinned
+        (see :meth:`is_direct`).
         """
+        return self._covered(x, False)
+
+    def is_direct(self, x: object) -> bool:
+        """Whether direct I/O may use all of ``x`` without a bounce buffer.
+
+        True where :meth:`is_pinned` is, and also for host memory that this registry
+        allocated unlocked (``strict=False`` where ``mlock`` was refused): its pages are
+        page-aligned anonymous memory that lives as long as the objects viewing it, and the
+        kernel pins them itself for each ``O_DIRECT`` request. Other unlocked memory (the
+        caller's) is False: it is staged. The engine asks this (and :meth:`io_hold`) to
+        plan a request; ``x`` takes the same forms as for :meth:`is_pinned`.
+        """
+        return self._covered(x, True)
+
+    def _covered(self, x: object, unlocked: bool) -> bool:
+        """:meth:`is_pinned` (``unlocked`` False) or :meth:`is_direct` (True)."""
         tensor_type = _Tensor if _Tensor is not None else _tensor_type()
         if tensor_type is not None and isinstance(x, tensor_type):
             t: Any = x
@@ -515,7 +555,8 @@ class PinnedRegistry:
                         # range, so is the view, and its strides need not be walked.
                         storage = t.untyped_storage()
                         s_lo: int = storage.data_ptr()
-                        if host.contains(s_lo, s_lo + storage.nbytes()):
+                        rec = host.value_of(s_lo, s_lo + storage.nbytes())
+                        if rec is not None and (unlocked or rec.kind is not _UNLOCKED):
                             return True
                         size: int = t.element_size()
                         lo, hi = _strided(lo, t.shape, t.stride(), size, size)
@@ -523,7 +564,8 @@ class PinnedRegistry:
                     return self._torch_says_pinned(t)
                 if lo >= hi:
                     return False
-                if host.contains(lo, hi):
+                rec = host.value_of(lo, hi)
+                if rec is not None and (unlocked or rec.kind is not _UNLOCKED):
                     return True
                 return bool(t.is_pinned())
             if t.is_cuda:
@@ -537,7 +579,8 @@ class PinnedRegistry:
             lo, hi = _address_pair(x)
         else:
             lo, hi = _buffer_extent(x)
-        return self._host.contains(lo, hi)
+        rec = self._host.value_of(lo, hi)
+        return rec is not None and (unlocked or rec.kind is not _UNLOCKED)
 
     @staticmethod
     def _torch_says_pinned(t: Any) -> bool:
@@ -561,16 +604,20 @@ class PinnedRegistry:
         Returns
         -------
         tuple of int or None
-            ``(start, end)`` of the range, or None. cuFile wants I/O inside a registered
-            buffer issued against its ``start`` with an offset: :mod:`aioswap.gds` asks here.
+            ``(start, end)`` of the range (locked memory only), or None. cuFile wants I/O
+            inside a registered buffer issued against its ``start`` with an offset:
+            :mod:`aioswap.gds` asks here.
         """
         lo, hi = _address_pair((address, nbytes))
         span = (self._device if device else self._host).find(lo, hi)
-        return None if span is None else (span.start, span.end)
+        if span is None or span.value.kind == _UNLOCKED:
+            return None
+        return span.start, span.end
 
     # ------------------------------------------------------------------- I/O holds
     def hold(self, address: int, nbytes: int) -> object | None:
-        """Count an I/O request on memory from :meth:`allocate`/:meth:`empty`.
+        """Count an I/O request on memory from :meth:`allocate`/:meth:`empty` (locked or
+        not).
 
         While a hold is out, :meth:`free` refuses that memory (BufferError). Returns a token
         for :meth:`unhold`, or None when ``[address, address + nbytes)`` is not such memory
@@ -579,12 +626,13 @@ class PinnedRegistry:
         return self.io_hold(address, nbytes)[0]
 
     def io_hold(self, address: int, nbytes: int) -> tuple[object | None, bool]:
-        """:meth:`hold` and whether ``[address, address + nbytes)`` is page-locked, in one
-        look-up: ``(token or None, locked)`` (what a request asks before it starts)."""
+        """:meth:`hold` and whether direct I/O may use ``[address, address + nbytes)``
+        (:meth:`is_direct`: page-locked, or this registry's unlocked memory), in one
+        look-up: ``(token or None, direct)`` (what a request asks before it starts)."""
         rec = self._host.value_of(address, address + nbytes) if nbytes > 0 else None
         if rec is None:
             return None, False
-        if rec.kind != _ALLOCATED:
+        if rec.kind not in _OWN:
             return None, True
         with self._io_lock:
             if not rec.live:
@@ -592,12 +640,13 @@ class PinnedRegistry:
             rec.io += 1
         return rec, True
 
-    def engine_view(self) -> tuple[RangeIndex[_Range], threading.Lock, str]:
+    def engine_view(self) -> tuple[RangeIndex[_Range], threading.Lock, frozenset[str]]:
         """What the engine reads per request without running Python (``aioswap._aio.Core``):
-        the index of locked host ranges (its immutable ``snap``), the lock that guards the
-        records' ``io`` counts, and the ``kind`` of records whose memory a hold pins. The
-        answers are the same as :meth:`io_hold` and :meth:`unhold` (a test compares)."""
-        return self._host, self._io_lock, _ALLOCATED
+        the index of host ranges direct I/O may use (its immutable ``snap``), the lock that
+        guards the records' ``io`` counts, and the ``kind`` values of records whose memory a
+        hold pins (this registry's own allocations, locked or not). The answers are the same
+        as :meth:`io_hold` and :meth:`unhold` (a test compares)."""
+        return self._host, self._io_lock, _OWN
 
     def unhold(self, token: object) -> None:
         """Give back a hold from :meth:`hold`."""
@@ -614,10 +663,11 @@ class PinnedRegistry:
         """
         with self._critical():
             return PinnedStats(
-                ranges=len(self._host), bytes_locked=self._bytes_locked,
+                ranges=len(self._host) - self._unlocked_ranges, bytes_locked=self._bytes_locked,
                 peak_bytes=self._peak, budget=self._budget, allocations=self._allocations,
                 bytes_allocated=self._bytes_allocated, device_ranges=len(self._device),
-                device_bytes=self._device_bytes, unlocked_fallbacks=self._fallbacks)
+                device_bytes=self._device_bytes, unlocked_fallbacks=self._fallbacks,
+                unlocked_ranges=self._unlocked_ranges, unlocked_bytes=self._unlocked_bytes)
 
     def reserve(self, nbytes: int) -> int:
         """Lock ``nbytes`` of fresh memory now, for page-locked allocations to take later.
@@ -698,7 +748,8 @@ class PinnedRegistry:
             self._budget = nbytes
 
     # ------------------------------------------------------------------- allocation
-    def allocate(self, nbytes: int, *, strict: bool = True) -> LockedMemory:
+    def allocate(self, nbytes: int, *, strict: bool = True, warn: bool = True
+                 ) -> LockedMemory:
         """Page-aligned memory, locked in RAM and registered while it lives.
 
         Parameters
@@ -708,8 +759,17 @@ class PinnedRegistry:
         strict : bool
             When the memory cannot be locked (RLIMIT_MEMLOCK, budget), True raises and
             leaves nothing behind (no mapping, no range, no accounting); False ("try" mode)
-            returns page-aligned *unlocked* memory that is not registered as pinned and
-            warns once per process with :class:`~aioswap.errors.PinnedMemoryWarning`.
+            returns page-aligned *unlocked* memory: not pinned (:meth:`is_pinned` is False,
+            it is not counted as locked), but recorded as this registry's own, so that
+            direct I/O on the CPU uses it (:meth:`is_direct`) and :meth:`free` refuses it
+            while I/O runs on it. It warns once per process with
+            :class:`~aioswap.errors.PinnedMemoryWarning` (see ``warn``).
+        warn : bool
+            Whether unlocked memory handed out with ``strict=False`` warns (once per
+            process). Pass False for memory that only file I/O on the CPU uses: that runs
+            direct on it all the same, so nothing there is slower. Keep it for memory that
+            CUDA copies go through (a copy from pageable memory is slower and synchronous)
+            or that io_uring should register.
 
         Returns
         -------
@@ -732,9 +792,9 @@ class PinnedRegistry:
         views keep it alive; the range is unregistered, unlocked and unmapped when the last
         of them (and the object itself) is collected.
         """
-        return self._allocate(operator.index(nbytes), strict, 3)[0]
+        return self._allocate(operator.index(nbytes), strict, 3, warn)[0]
 
-    def _allocate(self, nbytes: int, strict: bool, stacklevel: int
+    def _allocate(self, nbytes: int, strict: bool, stacklevel: int, warn: bool = True
                   ) -> tuple[LockedMemory, _Range]:
         if nbytes <= 0:
             raise ValueError(f"allocation size must be positive, got {nbytes}")
@@ -753,7 +813,7 @@ class PinnedRegistry:
                 raise PinnedMemoryError(message)
             return self._fallback(nbytes, f"pinned memory budget {format_size(budget or 0)} "
                                   f"reached", "raise it with PinnedRegistry.set_budget()",
-                                  message, stacklevel + 1)
+                                  message, stacklevel + 1, warn)
         try:
             mem = LockedMemory(nbytes, True)
         except BaseException as exc:
@@ -764,10 +824,11 @@ class PinnedRegistry:
             message = _memlock_message(mapped, exc)
             if strict:
                 raise PinnedMemoryError(f"{message}; or allocate with strict=False to fall "
-                                        f"back to unlocked memory (no direct I/O on it)"
+                                        f"back to unlocked memory"
                                         ) from exc
             return self._fallback(nbytes, _memlock_short(exc),
-                                  "raise it with `ulimit -l unlimited`", message, stacklevel + 1)
+                                  "raise it with `ulimit -l unlimited`", message, stacklevel + 1,
+                                  warn)
         rec = _Range(mem.address, mem.address + mem.mapped_bytes, _ALLOCATED)
         rec.ref = weakref.ref(mem)
         with self._critical():
@@ -785,30 +846,39 @@ class PinnedRegistry:
         rec.finalizer = fin
         return mem, rec
 
-    def _fallback(self, nbytes: int, cause: str, fix: str, detail: str, stacklevel: int
-                  ) -> tuple[LockedMemory, _Range]:
-        """Unlocked memory, and the first time one short line (what, ``cause``, ``fix``) as a
-        warning; ``detail`` (every way to raise the limit) goes to the debug log: most users
-        meet this once per process, where a paragraph of advice is noise."""
+    def _fallback(self, nbytes: int, cause: str, fix: str, detail: str, stacklevel: int,
+                  warn: bool) -> tuple[LockedMemory, _Range]:
+        """Unlocked memory, indexed as this registry's own (direct I/O may use it, see
+        :meth:`is_direct`), and, when ``warn``, the first time one short line (what,
+        ``cause``, ``fix``) as a warning; ``detail`` (every way to raise the limit) goes to
+        the debug log: most users meet this once per process, where a paragraph of advice
+        is noise."""
         mem = LockedMemory(nbytes, False)
         rec = _Range(mem.address, mem.address + mem.mapped_bytes, _UNLOCKED)
         rec.ref = weakref.ref(mem)
         with self._critical():
+            try:
+                self._insert(rec)
+            except ValueError as exc:
+                # as for locked memory: a stale registration outlived the memory it named
+                mem.release()
+                raise PinnedMemoryError(f"fresh memory is already registered: {exc}"
+                                        ) from None
             self._fallbacks += 1
-            warn, self._warned = not self._warned, True
-            self._unlocked[rec.start] = rec
+            if warn:
+                warn, self._warned = not self._warned, True
         fin = weakref.finalize(mem, self._collected, rec)
         fin.atexit = False
         rec.finalizer = fin
-        logger.debug("using %d bytes of unlocked memory (I/O through it is staged, not "
-                     "direct): %s", nbytes, detail)
+        logger.debug("using %d bytes of unlocked memory (direct I/O on the CPU still uses it; "
+                     "CUDA copies through it are pageable): %s", nbytes, detail)
         if warn:
             warnings.warn(f"aioswap: {format_size(mem.mapped_bytes)} not page-locked ({cause}); "
                           f"I/O works, slower; {fix}", PinnedMemoryWarning, stacklevel=stacklevel)
         return mem, rec
 
     def empty(self, shape_or_numel: ShapeLike, dtype: torch.dtype, *,
-              strict: bool = True) -> torch.Tensor:
+              strict: bool = True, warn: bool = True) -> torch.Tensor:
         """An uninitialised CPU tensor over freshly allocated locked memory.
 
         Parameters
@@ -817,7 +887,7 @@ class PinnedRegistry:
             Number of elements, or the shape.
         dtype : torch.dtype
             Any torch dtype.
-        strict : bool
+        strict, warn : bool
             As for :meth:`allocate`.
 
         Returns
@@ -842,7 +912,7 @@ class PinnedRegistry:
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         shape = _shape_of(shape_or_numel)
         nbytes = math.prod(shape) * dtype.itemsize
-        mem, _ = self._allocate(max(nbytes, 1), strict, 3)
+        mem, _ = self._allocate(max(nbytes, 1), strict, 3, warn)
         # Through a memoryview the storage holds a buffer export on the memory (so
         # LockedMemory.release() refuses while the storage lives); torch.frombuffer on the
         # object itself would hold only a reference.
@@ -920,11 +990,8 @@ class PinnedRegistry:
 
     def _record_of(self, address: int) -> _Range | None:
         """The allocation (locked or not) whose memory holds ``address``."""
-        span = self._host.find(address, address + 1)
-        if span is not None and span.value.kind == _ALLOCATED:
-            return span.value
-        with self._critical():
-            return self._unlocked.get(address)
+        rec = self._host.value_of(address, address + 1)
+        return rec if rec is not None and rec.kind in _OWN else None
 
     def _check_idle(self, rec: _Range, what: str) -> None:
         with self._io_lock:
@@ -998,7 +1065,7 @@ class PinnedRegistry:
             if span is None:
                 kind = "device" if device else "host"
                 raise ValueError(f"no {kind} range is registered at {address:#x}")
-            if span.value.kind == _ALLOCATED:
+            if span.value.kind in _OWN:
                 raise ValueError(f"the range at {address:#x} belongs to memory from "
                                  f"pinned.allocate(); it is unregistered when that memory is "
                                  f"collected")
@@ -1013,6 +1080,7 @@ registry: PinnedRegistry = PinnedRegistry()
 """The process-wide registry; the module functions below are its bound methods."""
 
 is_pinned = registry.is_pinned
+is_direct = registry.is_direct
 allocate = registry.allocate
 empty = registry.empty
 free = registry.free

@@ -559,7 +559,10 @@ def _stream(sources: Sequence[_Source], dev: torch.device, limit: int, window: i
                     break
                 if nxt.nbytes:              # allocate and submit: later allocations overlap
                     if locked + nxt.nbytes <= limit:
-                        nxt.buf = memoryview(pinned.allocate(nxt.nbytes, strict=False))
+                        # unlocked where mlock is refused: the read still goes direct into
+                        # it (the registry's own memory), so only a device copy warns
+                        nxt.buf = memoryview(pinned.allocate(nxt.nbytes, strict=False,
+                                                             warn=dev.type != "cpu"))
                         nxt.locked = True
                         locked += nxt.nbytes
                     else:
@@ -735,8 +738,10 @@ def load_file(filename: PathLike, device: str | int | torch.device = "cpu", *,
     Notes
     -----
     ``pinned.allocate(strict=False)`` is used: where the memory cannot be locked
-    (RLIMIT_MEMLOCK) it is plain page-aligned memory, one warning per process, and the
-    reads are staged through the handle's bounce pool. The tensors are those
+    (RLIMIT_MEMLOCK) it is page-aligned unlocked memory of aioswap's own, which the reads
+    still fill with direct I/O (the kernel pins its pages for each read), so no bounce copy
+    and, on the CPU, no warning; for a CUDA device (host memory as staging, whose copies
+    are slower from unlocked memory) one warning per process. The tensors are those
     :func:`iter_file` yields, collected.
     """
     path = os.fspath(filename)
@@ -1316,7 +1321,10 @@ def _write_pieces(file: AioFile, pieces: list[_Piece], total: int) -> None:
     """Stage ``pieces`` through a ring of aligned slots; every slot is one pwrite."""
     slot = min(_SLOT_BYTES, -(-total // _ALIGN) * _ALIGN)
     nslots = min(_SLOTS, -(-total // slot))
-    ring_mem = pinned.allocate(slot * nslots, strict=False)
+    # unlocked where mlock is refused: written from direct all the same, so it warns only
+    # where a device tensor (or a lazy source, maybe one) is copied into it
+    cpu_only = all(isinstance(p.source, torch.Tensor) and p.source.is_cpu for p in pieces)
+    ring_mem = pinned.allocate(slot * nslots, strict=False, warn=not cpu_only)
     ring = torch.frombuffer(memoryview(ring_mem), dtype=torch.uint8)
     busy: list[Any] = [None] * nslots
     futures: list[Any] = []

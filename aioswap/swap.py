@@ -84,11 +84,12 @@ waited for (async ``pwrite``), then one fsync per pack file and one manifest com
 back the same way (async ``pread`` per tensor, then one wait). Every request is block-aligned:
 tensors up to 64 KiB, and the partial last block of larger ones, are written from one
 zero-padded page-locked slab. Fresh CPU destinations of ``swap_in_state_dict`` are
-page-locked (``aioswap.pinned.empty(strict=False)``, read with direct I/O, no bounce copy) up
-to ``pin_budget`` bytes per call, and plain memory beyond it; fresh tensors up to 64 KiB are
-read through one locked slab and copied into plain memory. Fresh memory is faulted in on a
-few threads that submit each tensor's read as soon as its memory is there, so the faults
-overlap each other and the reads in flight.
+page-locked (``aioswap.pinned.empty(strict=False)``, read with direct I/O, no bounce copy;
+where ``RLIMIT_MEMLOCK`` refuses the lock, aioswap's own unlocked memory, read direct all
+the same) up to ``pin_budget`` bytes per call, and plain memory beyond it; fresh tensors up
+to 64 KiB are read through one locked slab and copied into plain memory. Fresh memory is
+faulted in on a few threads that submit each tensor's read as soon as its memory is there,
+so the faults overlap each other and the reads in flight.
 
 Release: ``release=True`` frees a tensor's storage (``untyped_storage().resize_(0)``) once its
 write is durable and published; ``swap_in`` without ``out`` resizes the same storage back and
@@ -906,7 +907,10 @@ class TensorSwapper:
         slab = None
         if need:
             from aioswap import pinned
-            slab = pinned.empty(need, torch.uint8, strict=False)
+            # unlocked where mlock is refused: written from direct all the same, so it warns
+            # only where device tensors are copied into it
+            slab = pinned.empty(need, torch.uint8, strict=False,
+                                warn=not all(j.src.is_cpu for j in jobs))
         slab_pos = 0
         files: list[tuple[str, _DataFile, int]] = []     # (name, file, size)
         futs: list[concurrent.futures.Future[int]] = []
@@ -1190,7 +1194,8 @@ class TensorSwapper:
             device = p.device
             if p.pin:
                 from aioswap import pinned
-                buf = pinned.empty(padded, torch.uint8, strict=False)
+                # a CPU destination: read direct even where it cannot be locked, no warning
+                buf = pinned.empty(padded, torch.uint8, strict=False, warn=False)
                 target = buf[:e.nbytes].view(dtype).view(e.shape)
                 if e.offset + padded <= p.file_size and e.offset % PACK_ALIGN == 0:
                     p.nread = padded        # whole aligned blocks: direct I/O, no tail
@@ -1289,7 +1294,7 @@ class TensorSwapper:
                     take.append(p)
                     need += _round_up(p.entry.nbytes)
             from aioswap import pinned
-            slab = pinned.empty(need, torch.uint8, strict=False)
+            slab = pinned.empty(need, torch.uint8, strict=False, warn=False)   # CPU, read direct
             pos = 0
             for p in take:
                 p.slot = slab[pos:pos + _round_up(p.entry.nbytes)]

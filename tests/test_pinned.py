@@ -501,7 +501,7 @@ def test_free_refuses_while_io_holds_the_memory(reg: PinnedRegistry) -> None:
     assert reg.stats().ranges == 2
 
 
-def test_hold_counts_only_allocations(reg: PinnedRegistry, plain: torch.Tensor) -> None:
+def test_hold_counts_only_own_memory(reg: PinnedRegistry, plain: torch.Tensor) -> None:
     t = reg.empty(PAGE_SIZE, torch.uint8)
     assert reg.hold(t.data_ptr(), 0) is None                      # nothing to guard
     assert reg.hold(t.data_ptr(), PAGE_SIZE + 1) is None         # runs past the memory
@@ -511,7 +511,11 @@ def test_hold_counts_only_allocations(reg: PinnedRegistry, plain: torch.Tensor) 
     reg.set_budget(0)
     with pytest.warns(PinnedMemoryWarning):
         unlocked = reg.allocate(100, strict=False)
-    assert reg.hold(unlocked.address, 10) is None                # never in the index
+    held = reg.hold(unlocked.address, 10)                  # its own: held like locked memory
+    assert held is not None and not reg.is_pinned(unlocked)
+    with pytest.raises(BufferError, match="1 I/O request"):
+        reg.free(unlocked)
+    reg.unhold(held)
     reg.free(unlocked)
     tok = reg.hold(t.data_ptr() + 5, 10)
     assert tok is not None
@@ -577,7 +581,7 @@ def test_budget_fallback_warns_one_short_line_and_logs_the_detail(
     assert message == ("aioswap: 4 KiB not page-locked (pinned memory budget 0 B reached); "
                        "I/O works, slower; raise it with PinnedRegistry.set_budget()")
     detail = [r.getMessage() for r in caplog.records if r.name == "aioswap"]
-    assert any("the pinned memory budget is 0 bytes" in d and "staged, not direct" in d
+    assert any("the pinned memory budget is 0 bytes" in d and "direct I/O on the CPU still" in d
                for d in detail), detail
     reg.free(mem)
 

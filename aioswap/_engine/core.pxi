@@ -44,8 +44,9 @@ cdef object _io_hold(object registry, object host, object io_lock, object alloca
     """``registry.io_hold(addr, n)`` without running Python: the same answer, by bisecting
     the snapshot the registry publishes (``host.snap``, see ``PinnedRegistry.engine_view``).
     The snapshot is rebuilt by Python on the first look-up after a change (then this asks
-    ``io_hold`` itself). Returns the hold token or None; ``locked[0]``: whether all of
-    ``[addr, addr + n)`` is page-locked."""
+    ``io_hold`` itself). Returns the hold token or None; ``locked[0]``: whether direct I/O
+    may use all of ``[addr, addr + n)`` (page-locked, or the registry's own unlocked memory).
+    ``allocated``: the kinds of records a hold counts on (``engine_view``)."""
     locked[0] = False
     if n == 0 or addr + n < addr:           # empty, or past the top of the address space
         return None
@@ -57,8 +58,7 @@ cdef object _io_hold(object registry, object host, object io_lock, object alloca
     rec = _snap_find(<tuple>snap, addr, n)
     if rec is None:
         return None
-    kind = rec.kind
-    if kind is not allocated and kind != allocated:
+    if rec.kind not in allocated:
         locked[0] = True                    # registered elsewhere: nothing to hold
         return None
     io_lock.acquire()
@@ -186,7 +186,7 @@ cdef int _plan(bint direct, uint64_t align, uint64_t mem_align, uint64_t addr, u
     middle[0] = n - edges[0]
     if (middle[0] > 0 and (addr + head) % mem_align == 0
             and (locked or ((locked is None or edges[0] > 0)
-                            and registry.is_pinned((addr + head, middle[0]))))):
+                            and registry.is_direct((addr + head, middle[0]))))):
         return M_DIRECT
     return M_BOUNCE
 
@@ -194,9 +194,10 @@ cdef int _plan(bint direct, uint64_t align, uint64_t mem_align, uint64_t addr, u
 def plan(f, uint64_t address, uint64_t n, int64_t offset, locked, registry):
     """How the pieces of a contiguous host request run: ``(mode, edge bytes, middle bytes)``.
 
-    Direct when the middle (between the unaligned edge blocks) is page-locked and its memory
-    lines up with the file's alignment; bounced otherwise; plain on a buffered file.
-    ``locked``: whether all of ``[address, address + n)`` is page-locked, or None (unknown:
+    Direct when the middle (between the unaligned edge blocks) may take direct I/O
+    (``registry.is_direct``) and its memory lines up with the file's alignment; bounced
+    otherwise; plain on a buffered file.
+    ``locked``: whether direct I/O may use all of ``[address, address + n)``, or None (unknown:
     ``registry`` is asked); with edges, a False still asks about the middle alone.
     """
     cdef uint64_t edges, middle
@@ -256,7 +257,7 @@ cdef class Core:
     block_size : int
         Bytes per piece, before each file's alignment.
     registry : PinnedRegistry
-        Asked through ``engine_view()``, ``io_hold``, ``is_pinned``.
+        Asked through ``engine_view()``, ``io_hold``, ``is_direct``.
     futures : tuple
         ``(class, new, finish, detach)`` of the future type (``aioswap._future.ENGINE``).
     general : object
