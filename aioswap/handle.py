@@ -5,8 +5,8 @@ A handle owns ``intra_op_parallelism`` lanes; each lane is one
 across every request of the lane), its bounce ring, and one completion thread. Every
 request, sync or async, from any thread, becomes pieces in a lane's queue:
 
-* **direct**: page-locked (``pinned.is_pinned``), aligned, contiguous host memory goes
-  straight to the kernel with ``O_DIRECT``;
+* **direct**: page-locked or aioswap-allocated (``pinned.is_direct``), aligned, contiguous
+  host memory goes straight to the kernel with ``O_DIRECT``;
 * **bounce**: other host memory (unpinned or misaligned) is staged through the lane's ring;
   the engine copies without the GIL, overlapped with the other buffers' I/O;
 * **head/tail**: the unaligned edge blocks of any request are read (and, for writes,
