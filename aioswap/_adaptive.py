@@ -42,6 +42,8 @@ _CHUNK = 8 << 20            # bytes one copy thread reads at a time
 #: A range partly cached is looked at in pieces of this size (cached ones copied, the others
 #: read direct); smaller runs are not worth a request of their own.
 _PROBE = 4 << 20
+#: An uncached run of a range partly cached shorter than this is read through the cache too.
+_HOLE = 32 << 20
 _THREADS = 4                # copies in parallel (measured: 4 beat 2 even on 2 cores)
 
 # cachestat(2): the same number on every architecture that has it (Linux 6.5)
@@ -128,6 +130,24 @@ def cached_runs(fd: int, offset: int, nbytes: int) -> list[tuple[int, int, bool]
             runs.append((pos, n, cached))
         pos = stop
     return runs
+
+
+def _fill_holes(runs: list[tuple[int, int, bool]]) -> list[tuple[int, int, bool]]:
+    """Runs of :func:`cached_runs` with the uncached ones shorter than :data:`_HOLE` read
+    through the page cache too (merged with their cached neighbours): the kernel's
+    read-ahead fills such a hole while the copy threads work, which measured faster than a
+    short direct read beside them (a file cached in alternate 16 MiB stretches: 3.5 GB/s
+    all copied against 3.4 split, 2.0 all direct)."""
+    out: list[tuple[int, int, bool]] = []
+    for o, n, cached in runs:
+        if not cached and n < _HOLE:
+            cached = True
+        if out and out[-1][2] == cached:
+            po, pn, _ = out[-1]
+            out[-1] = (po, pn + n, cached)
+        else:
+            out.append((o, n, cached))
+    return out
 
 
 def choose(mode: str, direct_ok: bool, fd: int, offset: int, nbytes: int) -> bool:
@@ -292,7 +312,7 @@ class Reader:
                 elif held < _PROBE // 2:
                     copy = False
                 else:
-                    runs = cached_runs(f.fileno(), offset, n)
+                    runs = _fill_holes(cached_runs(f.fileno(), offset, n))
                     if len(runs) == 1:
                         copy, runs = runs[0][2], None
             else:
