@@ -585,7 +585,10 @@ def _stage(obj: Any, cache: Any) -> Any:
         elif src.numel() == 0:
             dst = torch.empty(tuple(src.shape), dtype=src.dtype)
         else:
-            dst = pinned.empty(tuple(src.shape), src.dtype, strict=False)
+            # unlocked memory still takes direct I/O on the CPU: say so only where a device
+            # copy would be slower from it
+            dst = pinned.empty(tuple(src.shape), src.dtype, strict=False,
+                               warn=src.device.type != "cpu")
         dst.copy_(src)
         return dst
     if isinstance(obj, dict):
@@ -754,7 +757,8 @@ class AioReader(FileSystemReader):
                 batch.append(_Pending(req, target, None, []))
             else:
                 shape = (nrows, *sizes[1:]) if sizes else ()
-                staged = pinned.empty(shape, dtype, strict=False)
+                staged = pinned.empty(shape, dtype, strict=False,
+                                      warn=target.device.type != "cpu")
                 futs.append(reader.pread(fd, staged, start, nbytes))
                 narrow = [(d, o, n) for d, (o, n) in enumerate(zip(offsets, lengths)) if d]
                 batch.append(_Pending(req, target, staged, narrow))
