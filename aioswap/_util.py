@@ -1,5 +1,5 @@
 """Helpers more than one module needs, each kept once: tensor bytes, directory fsync, small
-files written atomically, futures.
+files written atomically, futures, exception notes.
 
 The alignment and depth constants live with the engine (``aioswap._aio.DEFAULT_ALIGNMENT``,
 ``aioswap._aio.MAX_DEPTH``). torch is imported only by :func:`flat_bytes`, when it is called.
@@ -11,13 +11,20 @@ import os
 from collections.abc import Iterable
 from typing import Any, Callable
 
-__all__ = ["first_error", "flat_bytes", "fsync_dir", "is_atomic_tmp", "round_up", "unique_keys",
-           "wait_all", "write_atomic"]
+__all__ = ["add_note", "first_error", "flat_bytes", "fsync_dir", "is_atomic_tmp", "round_up",
+           "unique_keys", "wait_all", "write_atomic"]
 
 
 def round_up(n: int, align: int) -> int:
     """``n`` rounded up to a multiple of ``align``."""
     return -(-n // align) * align
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` where Python has it (3.11 and later); nothing before."""
+    add = getattr(exc, "add_note", None)
+    if add is not None:
+        add(note)
 
 
 def flat_bytes(t: Any) -> Any:

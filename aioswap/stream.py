@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
 from aioswap import pinned
-from aioswap._util import round_up
+from aioswap._util import add_note, round_up
 from aioswap.errors import SwapError
 from aioswap.swap import PACK_ALIGN, TensorSwapper
 
@@ -65,12 +65,6 @@ _log = logging.getLogger("aioswap")
 SEP = "/"
 
 _Device = Union[str, "torch.device", int, None]
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    add = getattr(exc, "add_note", None)     # Python >= 3.11
-    if add is not None:
-        add(note)
 
 
 def _prefix(tag: str) -> str:
@@ -446,8 +440,8 @@ class Stream:
             op.fut.result()
         except BaseException as exc:
             if op.fut.done():           # the read failed (not an interrupted wait)
-                _add_note(exc, f"aioswap.stream: reading bucket {op.index} "
-                               f"({op.bucket.tag!r}) failed; its stored state is unchanged")
+                add_note(exc, f"aioswap.stream: reading bucket {op.index} "
+                              f"({op.bucket.tag!r}) failed; its stored state is unchanged")
             raise
         self._reads.popleft()
         self._current = op
@@ -488,9 +482,9 @@ class Stream:
             except BaseException as exc:
                 if op.fut.done():
                     self._writes.popleft()
-                    _add_note(exc, f"aioswap.stream: writing back bucket {op.index} "
-                                   f"({op.bucket.tag!r}) failed; its committed state is "
-                                   f"whole, as before this step")
+                    add_note(exc, f"aioswap.stream: writing back bucket {op.index} "
+                                  f"({op.bucket.tag!r}) failed; its committed state is "
+                                  f"whole, as before this step")
                 raise
             self._writes.popleft()
             self.written.append(op.index)
@@ -526,9 +520,9 @@ class Stream:
             if err is None:
                 self.written.append(op.index)
             elif failed is None:
-                _add_note(err, f"aioswap.stream: writing back bucket {op.index} "
-                               f"({op.bucket.tag!r}) failed; its committed state is whole, "
-                               f"as before this step")
+                add_note(err, f"aioswap.stream: writing back bucket {op.index} "
+                              f"({op.bucket.tag!r}) failed; its committed state is whole, "
+                              f"as before this step")
                 failed = err
         for op in (*self._reads, *self._writes):
             op.bucket._retire()
@@ -542,8 +536,8 @@ class Stream:
         if interrupted is not None:
             raise interrupted
         if failed is not None and cause is not None and failed is not cause:
-            _add_note(cause, f"aioswap.stream: while stopping, a write-back failed too: "
-                             f"{failed!r}")
+            add_note(cause, f"aioswap.stream: while stopping, a write-back failed too: "
+                            f"{failed!r}")
             return None
         return failed
 

@@ -105,60 +105,53 @@ ordered (a swap-in waits for that name's swap-out in flight).
 
 Several ranks: :meth:`TensorSwapper.for_rank` gives each rank its own directory under one of
 several roots (one per drive), ranks spread over the roots round-robin.
+
+Layout: this module is the swapper's face (names, claims, state dicts, removal, futures);
+its data files are :mod:`aioswap._swap_files`, its writes :mod:`aioswap._swap_write`, its
+reads once planned :mod:`aioswap._swap_read`, what they share :mod:`aioswap._swap_common`,
+and the directory and manifest :mod:`aioswap._manifest`.
 """
 from __future__ import annotations
 
 import concurrent.futures
-import errno
-import hashlib
+import functools
 import logging
 import os
 import resource
 import threading
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from aioswap import _adaptive, _checksum, _tree
-from aioswap._aio import DEFAULT_ALIGNMENT
-from aioswap._claims import (NameClaims, Released, Releases, guard, released_as,
-                             storage_key, unguard)
-from aioswap._files import AioFile
+from aioswap._claims import NameClaims, Releases, storage_key
 from aioswap._manifest import (LOCK_NAME, MANIFEST_NAME, Change, Entry, Manifest,
                                SwapDirectory, Tree)
-from aioswap._util import round_up, wait_all
+from aioswap._swap_common import PACK_ALIGN, dtype_from_name, dtype_name, round_pack
+from aioswap._swap_files import DataFile, DataFiles
+from aioswap._swap_read import Device, ReadJob, ReadPlan, check_out, execute
+from aioswap._swap_write import ByteBudget, WriteJob, check_tensor, write_packs, write_single
+from aioswap._util import wait_all
 from aioswap.config import AioConfig
 from aioswap.errors import ChecksumError, HandleClosedError, SwapError
 from aioswap.handle import AioHandle
-from aioswap.stripe import StripedFile, open_striped
 
 if TYPE_CHECKING:
     import torch
-
-#: A data file as the swapper reads and writes it: one file, or striped over drives.
-_DataFile = Union[AioFile, StripedFile]
 
 __all__ = ["DEFAULT_PACK_BYTES", "DEFAULT_PIN_BUDGET", "MANIFEST_NAME", "PACK_ALIGN",
            "SwapInfo", "TensorSwapper", "checksum_algorithms", "current_rank"]
 
 _log = logging.getLogger("aioswap")
 
-#: Alignment of every tensor in a pack file (and of the pack's size).
-PACK_ALIGN = DEFAULT_ALIGNMENT
 #: Default cap on the size of one pack file.
 DEFAULT_PACK_BYTES = 1 << 30
 #: Default bytes of page-locked destinations that one ``swap_in_state_dict`` may allocate.
 DEFAULT_PIN_BUDGET = 4 << 30
-_SPLIT_READ = 128 << 20       # verified reads larger than this are hashed as chunks land
-_PREFAULT_MIN = 1 << 20       # fresh host memory at least this large is touched before a read
 _DEFAULT_STAGING = 64 << 20
-_SMALL_WRITE = 64 << 10       # tensors up to this size are written from a locked slab
-_SLAB_MAX = 64 << 20          # bytes of that slab per state dict
-_SMALL_READ = 64 << 10        # fresh tensors up to this size are read through a locked slab
 
 _T = TypeVar("_T")
-_Device = Union[str, "torch.device", int, None]
 
 
 def checksum_algorithms() -> list[str]:
@@ -177,52 +170,6 @@ def _torch() -> Any:
     except ImportError as exc:      # pragma: no cover - torch is a test dependency
         raise ImportError("TensorSwapper needs PyTorch (pip install torch)") from exc
     return torch
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).rpartition(".")[2]
-
-
-def _dtype_from_name(name: str) -> torch.dtype:
-    import torch
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise SwapError(f"dtype {name!r} in the manifest is not a dtype of this PyTorch "
-                        f"({torch.__version__})")
-    return dt
-
-
-def _round_up(n: int) -> int:
-    return round_up(n, PACK_ALIGN)
-
-
-def _extent(t: torch.Tensor) -> int:
-    """Bytes of storage that ``t`` spans from the start of its storage."""
-    if t.numel() == 0:
-        return 0
-    last = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-    return int((last + 1) * t.element_size())
-
-
-def _prefault(st: torch.UntypedStorage) -> None:
-    """Touch fresh host memory before a read lands in it.
-
-    The first write to each new page faults; done before the read is submitted, those faults
-    overlap the reads already in flight instead of slowing the handle's copy into it.
-    """
-    import torch
-    if st.nbytes() >= _PREFAULT_MIN:
-        torch.empty(0, dtype=torch.uint8).set_(st).zero_()
-
-
-def _file_hash(name: str) -> str:
-    return hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    add = getattr(exc, "add_note", None)     # Python >= 3.11
-    if add is not None:
-        add(note)
 
 
 def current_rank() -> tuple[int, int]:
@@ -282,93 +229,6 @@ class SwapInfo:
     checksum: str | None
     checksum_algo: str | None
     released: bool
-
-
-@dataclass
-class _WriteJob:
-    """One tensor to write into a pack; ``checksum`` given: already known (compaction)."""
-
-    name: str
-    src: torch.Tensor
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_offset: int
-    seq: int
-    checksum: str | None = None
-    checksum_algo: str | None = None
-
-
-@dataclass
-class _ReadPlan:
-    """One tensor to read: what the manifest says, where it goes, how it went."""
-
-    name: str
-    entry: Entry
-    out: torch.Tensor | None
-    restore: Released | None
-    fut: concurrent.futures.Future[torch.Tensor]
-    device: _Device = None
-    shared: concurrent.futures.Future[torch.Tensor] | None = None  # restore in flight
-    file_size: int = 0
-    target: torch.Tensor | None = None     # what the caller gets
-    dest: torch.Tensor | None = None       # what is read into (a copy for conj/neg views)
-    flat: torch.Tensor | None = None       # contiguous host bytes of dest (hashed as landed)
-    nread: int = 0
-    resized: torch.UntypedStorage | None = None
-    pin: bool = False                      # fresh page-locked memory
-    slot: torch.Tensor | None = None       # small: read into a shared locked slab, copied
-    pieces: list[tuple[concurrent.futures.Future[int], int, int]] = field(
-        default_factory=list)
-    ready: threading.Event = field(default_factory=threading.Event)   # reads submitted
-    error: BaseException | None = None
-
-
-class _ReadJob:
-    """A planned batch of reads: call it once to run it, or ``cancel`` it."""
-
-    def __init__(self, sw: TensorSwapper, plans: list[_ReadPlan], fds: dict[str, _DataFile],
-                 verify: bool, pin: bool, budget: int) -> None:
-        self._args = (sw, plans, fds, verify, pin, budget)
-        self._once = threading.Lock()
-        self._ran = False
-
-    def _take(self) -> bool:
-        with self._once:
-            ran, self._ran = self._ran, True
-        return not ran
-
-    def __call__(self) -> None:
-        if self._take():
-            sw, plans, fds, verify, pin, budget = self._args
-            sw._execute(plans, fds, verify, pin, budget)
-
-    def cancel(self, exc: BaseException) -> None:
-        if self._take():
-            sw, plans, fds, _, _, _ = self._args
-            for f in fds.values():
-                f.close()
-            sw._abandon(plans, exc)
-
-
-class _ByteBudget:
-    """Blocks while more than ``cap`` bytes of staging copies are alive (one may exceed)."""
-
-    def __init__(self, cap: int) -> None:
-        self._cap = cap
-        self._used = 0
-        self._cond = threading.Condition()
-
-    def acquire(self, n: int) -> None:
-        with self._cond:
-            while self._used and self._used + n > self._cap:
-                self._cond.wait()
-            self._used += n
-
-    def release(self, n: int) -> None:
-        with self._cond:
-            self._used -= n
-            self._cond.notify_all()
 
 
 # ----------------------------------------------------------------------------------------
@@ -509,7 +369,6 @@ class TensorSwapper:
         self._async_count = 0
         self._dir = SwapDirectory(dirs, mode)
         self._path = self._dir.path
-        self._mode = mode
         try:
             self._m = Manifest(self._dir, self._lock)
             self._own_handle = handle is None
@@ -523,7 +382,8 @@ class TensorSwapper:
             cap = pool if isinstance(pool, int) and pool > 0 else _DEFAULT_STAGING
         else:
             cap = int(staging_bytes)
-        self._staging = _ByteBudget(max(1, cap))
+        self._staging = ByteBudget(max(1, cap))
+        self._files = DataFiles(self._dir, self._handle, mode)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_inflight, thread_name_prefix="aioswap-swap")
         self._alloc_lanes = max(1, min(4, (os.cpu_count() or 1)))
@@ -644,7 +504,7 @@ class TensorSwapper:
             e = self._lookup(name)
             released = name in self._released
         return SwapInfo(e.name, self._dir.join(e.file), e.offset, e.nbytes,
-                        _dtype_from_name(e.dtype), e.shape, e.stride, e.storage_offset,
+                        dtype_from_name(e.dtype), e.shape, e.stride, e.storage_offset,
                         e.checksum, e.checksum_algo, released)
 
     def pack_usage(self) -> dict[str, tuple[int, int]]:
@@ -713,7 +573,8 @@ class TensorSwapper:
 
             def job() -> SwapInfo:
                 try:
-                    entry = self._write_single(name, t, seq)
+                    entry = write_single(name, t, seq, files=self._files,
+                                         staging=self._staging, algo=self._algo)
                     self._m.commit(Change([entry], [], files=[entry.file]))
                     with self._lock:
                         self._released.overwritten(name, tensor, release)
@@ -728,278 +589,16 @@ class TensorSwapper:
 
     def _check_tensor(self, name: str, tensor: Any, release: bool) -> torch.Tensor:
         """Validate a tensor to swap out before any I/O; return the bytes to write."""
-        import torch
         self._check_open()
-        if not isinstance(name, str):
-            raise TypeError(f"swap names are str, got {type(name).__name__}")
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"swap_out of {name!r} takes a torch.Tensor, got "
-                            f"{type(tensor).__name__}")
-        if tensor.layout != torch.strided or tensor.is_quantized:
-            raise TypeError(f"swap_out of {name!r}: only strided (dense) tensors can be "
-                            f"swapped, not {tensor.layout} / quantized ones")
-        if tensor.device.type not in ("cpu", "cuda"):
-            raise TypeError(f"swap_out of {name!r}: tensor is on {tensor.device}; only CPU "
-                            f"and CUDA tensors can be swapped")
-        t: torch.Tensor = tensor.detach()
-        st = t.untyped_storage()
-        need = _extent(t)
-        if st.nbytes() < need:
-            raise SwapError(f"swap_out of {name!r}: the tensor has no data (its storage holds "
-                            f"{st.nbytes()} of the {need} bytes it spans; was it released by "
-                            f"release=True? swap it in first)")
-        if release:
-            whole = (t.storage_offset() == 0 and need == st.nbytes()
-                     and t.numel() * t.element_size() == st.nbytes())
-            if not whole:
-                raise SwapError(f"swap_out of {name!r} with release=True: the tensor is a view "
-                                f"of part of a larger storage ({st.nbytes()} bytes), which "
-                                f"cannot be freed; swap out the base tensor or a copy")
-            if not st.resizable():
-                raise SwapError(f"swap_out of {name!r} with release=True: the tensor's storage "
-                                f"is not resizable (it came from numpy or a buffer, was "
-                                f"shared with numpy by .numpy(), or is locked memory, e.g. "
-                                f"from swap_in_state_dict with pin_memory=None), so it "
-                                f"cannot be freed")
-        # conj/neg bits are lazy: the memory holds the un-negated values
-        if t.is_conj():
-            t = t.resolve_conj()
-        if t.is_neg():
-            t = t.resolve_neg()
-        return t
+        return check_tensor(name, tensor, release)
 
-    def _write_single(self, name: str, t: torch.Tensor, seq: int) -> Entry:
-        """Write ``t`` to a new, fsynced file; the checksum runs while the write is in flight."""
-        shape = tuple(int(x) for x in t.shape)
-        stride = tuple(int(x) for x in t.stride())
-        soff = int(t.storage_offset())
-        nbytes = t.numel() * t.element_size()
-        staged = 0
-        if not t.is_contiguous():
-            staged = nbytes
-            self._staging.acquire(staged)
-        try:
-            src = t.contiguous() if staged else t
-            fname, fd = self._create(f"t-{_file_hash(name)}-")
-            ok = False
-            try:
-                fut = fd.pwrite(src, 0, async_op=True, fsync=True)
-                assert isinstance(fut, concurrent.futures.Future)
-                try:
-                    digest = _checksum.digest(src, self._algo) if self._algo else None
-                finally:
-                    concurrent.futures.wait([fut])
-                fut.result()
-                ok = True
-            except BaseException as exc:
-                _add_note(exc, f"aioswap: swap_out of {name!r} failed; nothing was published "
-                               f"and the swap directory is unchanged")
-                raise
-            finally:
-                self._close_new([(fname, fd)], ok)
-        finally:
-            if staged:
-                self._staging.release(staged)
-        return Entry(name, fname, 0, nbytes, _dtype_name(t.dtype), shape, stride, soff,
-                     digest, self._algo if digest is not None else None, seq)
-
-    def _create(self, stem: str) -> tuple[str, _DataFile]:
-        """A new data file (see :meth:`SwapDirectory.create_data`), opened through the
-        handle; striped over the swap directories when there are several."""
-        if self._dir.striped:
-            while True:
-                fname = f"{stem}{os.urandom(16 if stem == 'p-' else 8).hex()}.bin"
-                try:
-                    return fname, open_striped(self._handle, self._dir.parts(fname), "x",
-                                               perm=self._mode, follow_symlinks=False)
-                except FileExistsError:     # pragma: no cover - 64+ random bits
-                    continue
-                except BaseException:
-                    self._dir.unlink(fname)
-                    raise
-        fname, fd = self._dir.create_data(stem)
-        try:
-            return fname, self._handle.adopt(fd)
-        except BaseException:
-            os.close(fd)
-            self._dir.unlink(fname)
-            raise
-
-    def _missing_part(self, who: str, fname: str, parts: list[str],
-                      exc: BaseException) -> SwapError:
-        return SwapError(f"{who}: its data file {fname!r} is striped over several directories "
-                         f"(drives); open the swapper with all of them, in any order (found "
-                         f"parts: {parts}): {exc}")
-
-    def _close_new(self, files: list[tuple[str, _DataFile]], ok: bool) -> None:
-        """Close the data files a swap-out wrote; unless all went well (``ok``) and every
-        close did too, remove them all, so a failed swap-out leaves nothing behind (closing a
-        striped file writes its layout, which can fail: ENOSPC). Raises the first close
-        error when there was no other."""
-        first: BaseException | None = None
-        for _, fd in files:
-            try:
-                fd.close()
-            except BaseException as exc:
-                first = first or exc
-        if ok and first is None:
-            return
-        for fname, _ in files:
-            self._dir.unlink(fname)
-        if ok and first is not None:
-            _add_note(first, "aioswap: closing a new data file failed; nothing was published "
-                             "and the swap directory is unchanged")
-            raise first
-
-    def _open(self, fname: str, who: str) -> tuple[_DataFile, int]:
-        """A data file opened for reading through the handle, and its size."""
-        if self._dir.is_striped(fname):
-            parts = self._dir.parts_of(fname)
-            try:
-                f = open_striped(self._handle, parts, "r", follow_symlinks=False)
-            except OSError as exc:
-                if exc.errno in (errno.ELOOP, errno.EINVAL):    # a link, a FIFO...
-                    raise SwapError(f"{who}: a part of its data file {fname!r} cannot be "
-                                    f"used: {exc}") from exc
-                raise self._missing_part(who, fname, parts, exc) from exc
-            except ValueError as exc:
-                raise self._missing_part(who, fname, parts, exc) from exc
-            return f, f.size()
-        fd, size = self._dir.open_data(fname, who)
-        try:
-            return self._handle.adopt(fd), size
-        except BaseException:
-            os.close(fd)
-            raise
-
-    def _release_staging(self, n: int) -> Callable[[Any], None]:
-        """A done-callback that gives ``n`` staging bytes back."""
-        def done(_: Any) -> None:
-            self._staging.release(n)
-        return done
-
-    def _write_packs(self, jobs: list[_WriteJob], what: str) -> Change:
-        """Write ``jobs`` into new pack files with one batch of requests; fsync each file.
-
-        Returns the change that publishes them (not yet committed). On any error every pack
-        file written is removed and the error raised, after every request has finished.
-        """
-        import torch
-        # lay out: tensors in order, each at an aligned offset, a new pack past the cap
-        layout: list[list[tuple[_WriteJob, int]]] = []
-        pos = 0
-        for j in jobs:
-            n = j.src.numel() * j.src.element_size()
-            if not layout or (pos and pos + n > self._pack_bytes):
-                layout.append([])
-                pos = 0
-            layout[-1].append((j, pos))
-            pos = _round_up(pos + n)
-        # Small tensors, and the last partial block of larger ones, are copied into one
-        # page-locked slab in whole blocks (zero-padded), so every request is block-aligned
-        # and direct: no read-modify-write of an edge block, no page cache.
-        need = 0
-        for j in jobs:
-            n = j.src.numel() * j.src.element_size()
-            add = _round_up(n) if n <= _SMALL_WRITE else (PACK_ALIGN if n % PACK_ALIGN else 0)
-            if need + add <= _SLAB_MAX:
-                need += add
-        slab = None
-        if need:
-            from aioswap import pinned
-            # unlocked where mlock is refused: written from direct all the same, so it warns
-            # only where device tensors are copied into it
-            slab = pinned.empty(need, torch.uint8, strict=False,
-                                warn=not all(j.src.is_cpu for j in jobs))
-        slab_pos = 0
-        files: list[tuple[str, _DataFile, int]] = []     # (name, file, size)
-        futs: list[concurrent.futures.Future[int]] = []
-        entries: list[Entry] = []
-        ok = False
-
-        def write(buf: torch.Tensor, fd: _DataFile, off: int) -> concurrent.futures.Future[int]:
-            fut = fd.pwrite(buf, off, async_op=True)
-            assert isinstance(fut, concurrent.futures.Future)
-            futs.append(fut)
-            return fut
-
-        try:
-            for pack in layout:
-                last, off = pack[-1]
-                size = _round_up(off + last.src.numel() * last.src.element_size())
-                fname, fd = self._create("p-")
-                files.append((fname, fd, size))
-                if isinstance(fd, AioFile):
-                    os.ftruncate(fd.fileno(), size)
-                else:
-                    fd.truncate(size)
-                for j, off in pack:
-                    src = j.src
-                    n = src.numel() * src.element_size()
-                    digest, algo = j.checksum, j.checksum_algo
-                    hashed: torch.Tensor = src
-                    padded = _round_up(n)
-                    if n and n <= _SMALL_WRITE and slab is not None \
-                            and slab_pos + padded <= need:
-                        slot = slab[slab_pos:slab_pos + padded]
-                        slab_pos += padded
-                        slot[:n].view(src.dtype).view(src.shape).copy_(src)   # any layout
-                        slot[n:].zero_()
-                        write(slot, fd, off)
-                        hashed = slot[:n]
-                    elif n:
-                        staged = 0
-                        if not src.is_contiguous():
-                            staged = n
-                            self._staging.acquire(staged)
-                            try:
-                                src = src.contiguous()
-                            except BaseException:
-                                self._staging.release(staged)
-                                raise
-                        tail = n % PACK_ALIGN
-                        try:
-                            if tail and slab is not None and slab_pos + PACK_ALIGN <= need:
-                                flat = src.reshape(-1).view(torch.uint8)
-                                slot = slab[slab_pos:slab_pos + PACK_ALIGN]
-                                slab_pos += PACK_ALIGN
-                                slot[:tail].copy_(flat[n - tail:])
-                                slot[tail:].zero_()
-                                write(slot, fd, off + n - tail)
-                                fut = write(flat[:n - tail], fd, off)
-                            else:
-                                fut = write(src, fd, off)
-                        except BaseException:
-                            if staged:
-                                self._staging.release(staged)
-                            raise
-                        if staged:
-                            fut.add_done_callback(self._release_staging(staged))
-                        hashed = src
-                    if digest is None and self._algo is not None:
-                        # hashed while this and the earlier writes are in flight
-                        digest, algo = _checksum.digest(hashed, self._algo), self._algo
-                    entries.append(Entry(j.name, fname, off, n, j.dtype, j.shape, j.stride,
-                                         j.storage_offset, digest, algo, j.seq))
-                    del src, hashed
-            concurrent.futures.wait(futs)
-            for f in futs:
-                f.result()
-            for _, fd, _ in files:
-                fd.fsync()
-            ok = True
-        except BaseException as exc:
-            _add_note(exc, f"aioswap: {what} failed; nothing was published and the swap "
-                           f"directory is unchanged")
-            raise
-        finally:
-            concurrent.futures.wait(futs)       # never unlink under requests in flight
-            self._close_new([(fname, fd) for fname, fd, _ in files], ok)
-        return Change(entries, [], files=[f for f, _, _ in files],
-                      packs={f: s for f, _, s in files})
+    def _write_packs(self, jobs: list[WriteJob], what: str) -> Change:
+        """Write ``jobs`` into new packs (:func:`aioswap._swap_write.write_packs`)."""
+        return write_packs(jobs, what, files=self._files, staging=self._staging,
+                           algo=self._algo, pack_bytes=self._pack_bytes)
 
     # -- swap in ---------------------------------------------------------------------------
-    def swap_in(self, name: str, *, out: torch.Tensor | None = None, device: _Device = None,
+    def swap_in(self, name: str, *, out: torch.Tensor | None = None, device: Device = None,
                 verify: bool | None = None, async_op: bool = False
                 ) -> torch.Tensor | concurrent.futures.Future[torch.Tensor]:
         """Read the tensor swapped out as ``name``.
@@ -1058,9 +657,9 @@ class TensorSwapper:
             job()
         return fut if async_op else fut.result()
 
-    def _start_reads(self, items: list[tuple[str, torch.Tensor | None]], device: _Device,
+    def _start_reads(self, items: list[tuple[str, torch.Tensor | None]], device: Device,
                      verify: bool | None, pin: bool, budget: int
-                     ) -> tuple[list[concurrent.futures.Future[torch.Tensor]], _ReadJob | None]:
+                     ) -> tuple[list[concurrent.futures.Future[torch.Tensor]], ReadJob | None]:
         """Plan and open one batch of reads (all checks before any I/O).
 
         Returns one future per item and the job that runs the batch (None: nothing to read
@@ -1069,12 +668,12 @@ class TensorSwapper:
         self._check_open()
         verify = self._verify if verify is None else bool(verify)
 
-        def plan() -> list[_ReadPlan]:
+        def plan() -> list[ReadPlan]:
             self._check_open()
             return self._plan_reads(items, device, verify)
 
         plans = self._claims.when_free([n for n, _ in items], plan)
-        fds: dict[str, _DataFile] = {}
+        fds: dict[str, DataFile] = {}
         try:
             self._open_files(plans, fds)
         except BaseException as exc:
@@ -1085,13 +684,14 @@ class TensorSwapper:
         futs = [p.shared if p.shared is not None else p.fut for p in plans]
         if all(p.shared is not None for p in plans):
             return futs, None
-        return futs, _ReadJob(self, plans, fds, verify, pin, budget)
+        return futs, ReadJob(functools.partial(self._execute, plans, fds, verify, pin, budget),
+                             fds, functools.partial(self._abandon, plans))
 
-    def _plan_reads(self, items: list[tuple[str, torch.Tensor | None]], device: _Device,
-                    verify: bool) -> list[_ReadPlan]:
+    def _plan_reads(self, items: list[tuple[str, torch.Tensor | None]], device: Device,
+                    verify: bool) -> list[ReadPlan]:
         """Validate reads before any I/O; called with ``self._lock`` held."""
         import torch
-        plans: list[_ReadPlan] = []
+        plans: list[ReadPlan] = []
         seen: set[str] = set()
         for name, out in items:
             e = self._lookup(name)
@@ -1103,7 +703,7 @@ class TensorSwapper:
                 out = None
             restore = rel if out is None else None
             fut: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
-            plan = _ReadPlan(name, e, out, restore, fut, device)
+            plan = ReadPlan(name, e, out, restore, fut, device)
             if restore is not None:
                 pending = self._released.restoring(name)
                 if pending is not None:
@@ -1114,7 +714,7 @@ class TensorSwapper:
                     raise SwapError(f"swap_in of {name!r}: the tensor was released on "
                                     f"{restore.tensor.device} and is restored there, not on "
                                     f"{torch.device(device)}; pass out= to read elsewhere")
-            dtype = _dtype_from_name(e.dtype)
+            dtype = dtype_from_name(e.dtype)
             numel = 1
             for s in e.shape:
                 numel *= s
@@ -1122,7 +722,7 @@ class TensorSwapper:
                 raise SwapError(f"manifest entry of {name!r} is inconsistent: shape {e.shape} "
                                 f"of {e.dtype} is not {e.nbytes} bytes")
             if out is not None:
-                self._check_out(name, e, out, dtype)
+                check_out(name, e, out, dtype)
             if verify and e.checksum_algo is not None:
                 _checksum.new_hasher(e.checksum_algo)        # algorithm available?
             plans.append(plan)
@@ -1131,7 +731,7 @@ class TensorSwapper:
                 self._released.begin_restore(p.name, p.fut)
         return plans
 
-    def _open_files(self, plans: list[_ReadPlan], fds: dict[str, _DataFile]) -> None:
+    def _open_files(self, plans: list[ReadPlan], fds: dict[str, DataFile]) -> None:
         """Open every data file of ``plans`` once and check its size (before any I/O)."""
         sizes: dict[str, int] = {}
         for p in plans:
@@ -1140,7 +740,7 @@ class TensorSwapper:
             e = p.entry
             who = f"swap_in of {p.name!r}"
             if e.file not in fds:
-                fds[e.file], size = self._open(e.file, who)
+                fds[e.file], size = self._files.open(e.file, who)
                 sizes[e.file] = size
                 with self._lock:
                     expected = self._m.expected_size(e)
@@ -1157,7 +757,7 @@ class TensorSwapper:
                 raise SwapError(f"{who}: the manifest places it past the end of "
                                 f"{self._dir.join(e.file)!r}")
 
-    def _abandon(self, plans: list[_ReadPlan], exc: BaseException) -> None:
+    def _abandon(self, plans: list[ReadPlan], exc: BaseException) -> None:
         """Fail the futures of plans that will not run."""
         with self._lock:
             for p in plans:
@@ -1166,84 +766,6 @@ class TensorSwapper:
             if p.shared is None and not p.fut.done():
                 p.fut.set_exception(exc)
 
-    def _allocate(self, p: _ReadPlan) -> None:
-        """Choose and make the destination of ``p`` (just before its read is submitted)."""
-        import torch
-        e = p.entry
-        dtype = _dtype_from_name(e.dtype)
-        p.nread = e.nbytes
-        if p.restore is not None:
-            target = p.restore.tensor
-            unguard(target)
-            st = target.untyped_storage()
-            if st.nbytes() < p.restore.storage_nbytes:
-                st.resize_(p.restore.storage_nbytes)
-                p.resized = st
-                if not target.is_cuda:
-                    _prefault(st)
-        elif p.out is not None:
-            target = p.out
-        elif p.slot is not None:
-            padded = _round_up(e.nbytes)
-            if e.offset + padded <= p.file_size and e.offset % PACK_ALIGN == 0:
-                p.nread = padded
-            p.flat = p.dest = p.slot        # the tensor is made after the read (_execute)
-            return
-        else:
-            padded = _round_up(e.nbytes)
-            device = p.device
-            if p.pin:
-                from aioswap import pinned
-                # a CPU destination: read direct even where it cannot be locked, no warning
-                buf = pinned.empty(padded, torch.uint8, strict=False, warn=False)
-                target = buf[:e.nbytes].view(dtype).view(e.shape)
-                if e.offset + padded <= p.file_size and e.offset % PACK_ALIGN == 0:
-                    p.nread = padded        # whole aligned blocks: direct I/O, no tail
-                p.flat = buf
-            else:
-                target = torch.empty(e.shape, dtype=dtype, device=device)
-                if not target.is_cuda:
-                    _prefault(target.untyped_storage())
-        p.target = target
-        dest = target.detach()
-        if dest.is_conj() or dest.is_neg():     # their memory is not their values: a copy
-            dest = torch.empty(e.shape, dtype=dtype, device=dest.device)
-        p.dest = dest
-        if p.flat is None and dest.is_contiguous() and not dest.is_cuda:
-            p.flat = dest.reshape(-1).view(torch.uint8)
-
-    def _submit(self, p: _ReadPlan, fd: _DataFile, verify: bool,
-                reader: _adaptive.Reader | None = None) -> None:
-        """Queue the read(s) of ``p``; large verified reads in chunks hashed as they land.
-
-        ``reader``: reads adapt to the page cache (:mod:`aioswap._adaptive`): a tensor whose
-        range the cache holds is copied from it on the copy threads, the rest read direct
-        (striped files: always direct)."""
-        e = p.entry
-        if e.nbytes == 0:
-            return
-        assert p.dest is not None
-        hashed = verify and e.checksum_algo is not None
-        if p.flat is not None:
-            copy = (reader is not None and isinstance(fd, AioFile) and p.flat.is_cpu
-                    and reader.copies(fd, e.offset, e.nbytes))
-            step = _checksum.HASH_CHUNK if hashed and p.nread > _SPLIT_READ else p.nread
-            for s in range(0, p.nread, step):
-                k = min(step, p.nread - s)
-                f: Any
-                if reader is not None and isinstance(fd, AioFile):
-                    # a copy stops at the end of the file (the last block may be padding)
-                    n = min(k, p.file_size - e.offset - s) if copy else k
-                    f = reader.pread(fd, p.flat[s:s + n], e.offset + s, copy=copy)
-                else:
-                    f = fd.pread(p.flat[s:s + k], e.offset + s, async_op=True)
-                assert isinstance(f, concurrent.futures.Future)
-                p.pieces.append((f, s, min(k, e.nbytes - s)))
-        else:
-            f = fd.pread(p.dest, e.offset, nbytes=e.nbytes, async_op=True)
-            assert isinstance(f, concurrent.futures.Future)
-            p.pieces.append((f, 0, e.nbytes))
-
     def _alloc_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
             if self._allocators is None:
@@ -1251,7 +773,8 @@ class TensorSwapper:
                     self._alloc_lanes, thread_name_prefix="aioswap-swap-alloc")
             return self._allocators
 
-    def _check_piece_sums(self, p: _ReadPlan, verify: bool) -> None:
+    def _check_piece_sums(self, p: ReadPlan, verify: bool) -> None:
+        """Wait for the reads of ``p``; with ``verify``, check what landed against its checksum."""
         e = p.entry
         algo = e.checksum_algo if verify else None
         h = _checksum.new_hasher(algo) if algo is not None else None
@@ -1273,164 +796,12 @@ class TensorSwapper:
                                 f"read at offset {e.offset} is {got}, swap_out recorded "
                                 f"{e.checksum}): the file is corrupted")
 
-    def _execute(self, plans: list[_ReadPlan], fds: dict[str, _DataFile], verify: bool, pin: bool,
+    def _execute(self, plans: list[ReadPlan], fds: dict[str, DataFile], verify: bool, pin: bool,
                  budget: int) -> None:
-        """Run a batch of reads: allocate and submit all, verify each as it lands, finish."""
-        import torch
-        active = [p for p in plans if p.shared is None]
-        left = budget
-        fresh = [p for p in active if p.restore is None and p.out is None and p.entry.nbytes
-                 and (p.device is None or torch.device(p.device).type == "cpu")]
-        # Small fresh tensors (unless page-locked results are asked for) are read into one
-        # locked slab and copied into plain memory: one allocation for all of them instead
-        # of one locked allocation (a syscall, a registry entry) each.
-        small = [p for p in fresh if p.entry.nbytes <= _SMALL_READ] if not pin else []
-        slab: torch.Tensor | None = None
-        if len(small) > 1:
-            need = 0
-            take = []
-            for p in small:
-                if need + _round_up(p.entry.nbytes) <= _SLAB_MAX:
-                    take.append(p)
-                    need += _round_up(p.entry.nbytes)
-            from aioswap import pinned
-            slab = pinned.empty(need, torch.uint8, strict=False, warn=False)   # CPU, read direct
-            pos = 0
-            for p in take:
-                p.slot = slab[pos:pos + _round_up(p.entry.nbytes)]
-                pos += _round_up(p.entry.nbytes)
-        for p in fresh:         # who gets page-locked memory: decided in order, up front
-            if p.slot is None:
-                padded = _round_up(p.entry.nbytes)
-                if pin or padded <= left:
-                    p.pin = True
-                    left -= 0 if pin else padded
-
-        # Lanes take the next plan as they free up (in file order), so big and small tensors
-        # spread over them whatever their order: a fixed split (every other tensor) handed
-        # one lane every weight and the other every bias.
-        def pull(order: list[_ReadPlan]) -> Callable[[], _ReadPlan | None]:
-            it = iter(order)
-            mu = threading.Lock()
-
-            def take() -> _ReadPlan | None:
-                with mu:
-                    return next(it, None)
-            return take
-
-        reader = _adaptive.Reader(self._read, f"swap-in of {len(active)} tensors")
-
-        def prepare(take: Callable[[], _ReadPlan | None]) -> None:
-            while (p := take()) is not None:
-                try:
-                    self._allocate(p)
-                    self._submit(p, fds[p.entry.file], verify, reader)
-                except Exception as exc:        # this tensor fails; the others go on
-                    p.error = exc
-                finally:
-                    p.ready.set()
-
-        # Fresh memory is faulted in (zeroed, or locked) as it is allocated; several threads
-        # do that, each submitting its tensors' reads as soon as their memory is there, so
-        # the faults run in parallel with each other and with the reads in flight.
-        def check(take: Callable[[], _ReadPlan | None]) -> None:
-            while (p := take()) is not None:
-                p.ready.wait()
-                if p.error is None:
-                    try:
-                        self._check_piece_sums(p, verify)
-                    except Exception as exc:
-                        p.error = exc
-
-        lanes = min(self._alloc_lanes, len(active))
-        groups: list[concurrent.futures.Future[None]] = []
-        checks: list[concurrent.futures.Future[None]] = []
-        first: BaseException | None = None
-        try:
-            try:
-                if lanes > 1:
-                    nxt = pull(active)
-                    groups = [self._alloc_pool().submit(prepare, nxt) for _ in range(lanes)]
-                else:
-                    prepare(pull(active))
-                # hash once every read is queued: on a busy machine the hashing would
-                # otherwise take CPU from the lanes, and the reads would be queued later
-                concurrent.futures.wait(groups)
-                if verify and lanes > 1:
-                    # then on every lane: tensors are hashed as they land, on all cores
-                    # (xxh3 releases the GIL), while the later reads are still in flight
-                    nxt = pull(active)
-                    checks = [self._alloc_pool().submit(check, nxt) for _ in range(lanes)]
-                    for c in checks:
-                        c.result()
-                else:
-                    check(pull(active))
-            finally:
-                concurrent.futures.wait(checks)     # no thread touches a plan after this
-                concurrent.futures.wait(groups)
-                # never leave the kernel writing into memory handed back
-                concurrent.futures.wait([f for p in active for f, _, _ in p.pieces])
-                for fd in fds.values():
-                    fd.close()
-                reader.close()
-        except BaseException as exc:            # a signal: every request has finished
-            first = exc
-        for p in plans:
-            if p.shared is not None:
-                continue
-            err = p.error or first
-            if err is None and p.slot is not None:
-                try:
-                    t = torch.empty(p.entry.shape, dtype=_dtype_from_name(p.entry.dtype))
-                    t.reshape(-1).view(torch.uint8).copy_(p.slot[:p.entry.nbytes])
-                    p.target = p.dest = t
-                except Exception as exc:
-                    err = exc
-            if err is None and p.dest is not None and p.target is not None \
-                    and p.dest is not p.target and p.dest.data_ptr() != p.target.data_ptr():
-                try:
-                    p.target.detach().copy_(p.dest)     # conj/neg view: through a copy
-                except Exception as exc:
-                    err = exc
-            with self._lock:
-                self._released.end_restore(p.name, p.fut)
-                if err is None and p.restore is not None \
-                        and self._released.get(p.name) is p.restore:
-                    self._released.forget(p.name)
-            if err is not None:
-                if p.resized is not None:
-                    p.resized.resize_(0)    # still released: never hand out unverified data
-                if p.restore is not None and p.restore.tensor.untyped_storage().nbytes() == 0:
-                    guard(p.restore.tensor, p.name)
-                p.fut.set_exception(err)
-            else:
-                assert p.target is not None
-                p.fut.set_result(p.target)
-        if first is not None:
-            raise first
-
-    def _check_out(self, name: str, e: Entry, out: Any, dtype: torch.dtype) -> None:
-        import torch
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"swap_in of {name!r}: out must be a torch.Tensor, got "
-                            f"{type(out).__name__}")
-        was = released_as(out)
-        if was is not None:
-            raise SwapError(f"swap_in of {name!r}: out is the tensor released as {was!r}, "
-                            f"which can no longer be restored: {was!r} was removed, or "
-                            f"overwritten with a tensor of another shape or dtype, since")
-        if tuple(out.shape) != e.shape:
-            raise SwapError(f"swap_in of {name!r}: out has shape {tuple(out.shape)}, the "
-                            f"tensor was swapped out with shape {e.shape}")
-        if out.dtype != dtype:
-            raise SwapError(f"swap_in of {name!r}: out has dtype {out.dtype}, the tensor was "
-                            f"swapped out as {dtype}")
-        if out.layout != torch.strided or out.device.type not in ("cpu", "cuda"):
-            raise TypeError(f"swap_in of {name!r}: out must be a strided CPU or CUDA tensor")
-        st = out.untyped_storage()
-        if st.nbytes() < _extent(out):
-            raise SwapError(f"swap_in of {name!r}: out has no data (its storage holds "
-                            f"{st.nbytes()} of the {_extent(out)} bytes it spans; released?)")
+        """Run a batch of reads (:func:`aioswap._swap_read.execute`) on this swapper's lanes."""
+        execute(plans, fds, verify, pin, budget, alloc_lanes=self._alloc_lanes,
+                alloc_pool=self._alloc_pool, read=self._read, check_sums=self._check_piece_sums,
+                lock=self._lock, releases=self._released)
 
     # -- state dicts -----------------------------------------------------------------------
     def swap_out_state_dict(self, prefix: str, state_dict: Mapping[Any, Any], *,
@@ -1511,7 +882,7 @@ class TensorSwapper:
         try:
             with self._lock:
                 seq0 = self._m.next_seq(len(items))
-            jobs = [_WriteJob(n, t, _dtype_name(t.dtype), tuple(int(x) for x in t.shape),
+            jobs = [WriteJob(n, t, dtype_name(t.dtype), tuple(int(x) for x in t.shape),
                               tuple(int(x) for x in t.stride()), int(t.storage_offset()),
                               seq0 + i) for i, (n, _, t) in enumerate(items)]
 
@@ -1535,7 +906,7 @@ class TensorSwapper:
             raise
 
     def swap_in_state_dict(self, prefix: str, *, state_dict: dict[Any, Any] | None = None,
-                           device: _Device = None, verify: bool | None = None,
+                           device: Device = None, verify: bool | None = None,
                            async_op: bool = False
                            ) -> dict[Any, Any] | concurrent.futures.Future[dict[Any, Any]]:
         """Swap in the state swapped out as ``prefix``.
@@ -1595,7 +966,7 @@ class TensorSwapper:
             items.append((n, cur if isinstance(cur, torch.Tensor) else None))
         budget = self._pin_budget_now() if self._pin is None else 0
         futs: list[concurrent.futures.Future[torch.Tensor]] = []
-        job: _ReadJob | None = None
+        job: ReadJob | None = None
         if items:
             futs, job = self._start_reads(items, device, verify, self._pin is True, budget)
 
@@ -1710,7 +1081,7 @@ class TensorSwapper:
             spans: dict[str, int] = {}
             for e in self._m.entries.values():
                 if e.file in self._m.packs:
-                    spans[e.file] = spans.get(e.file, 0) + _round_up(e.nbytes)
+                    spans[e.file] = spans.get(e.file, 0) + round_pack(e.nbytes)
             return {f: size for f, size in self._m.packs.items()
                     if spans.get(f, 0) < size and spans.get(f, 0) < threshold * size}
 
@@ -1728,12 +1099,12 @@ class TensorSwapper:
                                  key=lambda e: e.seq)
             if not entries:
                 return 0
-            fds: dict[str, _DataFile] = {}
+            fds: dict[str, DataFile] = {}
             reads: list[tuple[Entry, torch.Tensor, concurrent.futures.Future[int] | None]] = []
             try:
                 for e in entries:
                     if e.file not in fds:
-                        fds[e.file] = self._open(e.file, f"compact of {e.name!r}")[0]
+                        fds[e.file] = self._files.open(e.file, f"compact of {e.name!r}")[0]
                     raw = torch.empty(e.nbytes, dtype=torch.uint8)
                     f = (fds[e.file].pread(raw, e.offset, async_op=True)
                          if e.nbytes else None)
@@ -1743,7 +1114,7 @@ class TensorSwapper:
                 concurrent.futures.wait([f for _, _, f in reads if f is not None])
                 for fd in fds.values():
                     fd.close()
-            jobs: list[_WriteJob] = []
+            jobs: list[WriteJob] = []
             for e, raw, done in reads:
                 if done is not None:
                     done.result()
@@ -1751,7 +1122,7 @@ class TensorSwapper:
                     if _checksum.digest(raw, e.checksum_algo) != e.checksum:
                         raise ChecksumError(f"compact: checksum mismatch of {e.name!r} in "
                                             f"{self._dir.join(e.file)!r}; nothing was changed")
-                jobs.append(_WriteJob(e.name, raw, e.dtype, e.shape, e.stride,
+                jobs.append(WriteJob(e.name, raw, e.dtype, e.shape, e.stride,
                                       e.storage_offset, e.seq, e.checksum, e.checksum_algo))
             change = self._write_packs(jobs, "compact")
             self._m.commit(change)

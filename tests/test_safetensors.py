@@ -19,7 +19,7 @@ from hypothesis import strategies as hs
 
 import aioswap
 import aioswap.safetensors as ast
-from aioswap import pinned
+from aioswap import _st_format, _st_write, pinned
 from aioswap.safetensors import SafetensorsError
 
 try:
@@ -42,7 +42,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::aioswap.pinned.PinnedMemoryWarn
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_safetensors.py"
 
 # every torch dtype the format holds here (float8 / uint16.. / float4 where torch has them)
-DTYPES = sorted(ast._FROM_TORCH, key=str)
+DTYPES = sorted(_st_format.FROM_TORCH, key=str)
 NOT_IN_ST_LOAD = {"F8_E8M0", "F4"}
 
 
@@ -93,7 +93,7 @@ def every_dtype(only: frozenset[torch.dtype] | None = None) -> dict[str, torch.T
             continue
         name = str(dt).split(".")[-1]
         sd[f"{name}.m"] = rand((3, 6), dt)
-        sd[f"{name}.scalar"] = rand((), dt) if ast._FROM_TORCH[dt].packed == 1 \
+        sd[f"{name}.scalar"] = rand((), dt) if _st_format.FROM_TORCH[dt].packed == 1 \
             else rand((1,), dt)
         sd[f"{name}.empty"] = rand((0, 4), dt)
         sd[f"{name}.odd"] = rand((7,), dt)
@@ -163,8 +163,8 @@ def test_many_groups_and_slots(tmp_dir: Path, monkeypatch: pytest.MonkeyPatch) -
     """Reads cut into many groups and writes into many slots give the same bytes."""
     monkeypatch.setattr(ast, "_FIRST_GROUP_BYTES", 4096)
     monkeypatch.setattr(ast, "_GROUP_BYTES", 3 * 4096 + 5)
-    monkeypatch.setattr(ast, "_SLOT_BYTES", 8192)
-    monkeypatch.setattr(ast, "_SLOTS", 2)
+    monkeypatch.setattr(_st_write, "_SLOT_BYTES", 8192)
+    monkeypatch.setattr(_st_write, "_SLOTS", 2)
     sd = {f"t{i}": rand((i * 397 + 1,), [torch.float32, torch.int8, torch.float16][i % 3])
           for i in range(40)}
     p = tmp_dir / "many.safetensors"
@@ -392,7 +392,8 @@ def test_files_from_aioswap_load_identically_in_safetensors(tmp_dir: Path) -> No
         assert f.metadata() == md
         assert sorted(f.keys()) == sorted(sd)
     # safetensors.torch.load (bytes) knows fewer dtypes than its load_file
-    known = {k: v for k, v in sd.items() if ast._FROM_TORCH[v.dtype].name not in NOT_IN_ST_LOAD}
+    known = {k: v for k, v in sd.items()
+             if _st_format.FROM_TORCH[v.dtype].name not in NOT_IN_ST_LOAD}
     assert_same(st.load(ast.save(known)), known)
 
 
@@ -422,7 +423,7 @@ def test_loaded_tensors_save_again_with_safetensors(tmp_dir: Path) -> None:
 _SHAPES = hs.lists(hs.integers(0, 5), min_size=0, max_size=3).map(tuple)
 _DICTS = hs.dictionaries(hs.text(min_size=1, max_size=8).filter(lambda s: s != "__metadata__"),
                          hs.tuples(_SHAPES, hs.sampled_from([d for d in DTYPES
-                                                             if ast._FROM_TORCH[d].packed == 1
+                                                             if _st_format.FROM_TORCH[d].packed == 1
                                                              and st is not None
                                                              and d in st_dtypes()])),
                          max_size=6)

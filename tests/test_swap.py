@@ -298,11 +298,11 @@ def test_many_async_in_flight(tmp_dir: Path) -> None:
 
 
 def test_staging_of_non_contiguous_tensors_is_bounded(tmp_dir: Path) -> None:
-    import aioswap.swap as swap_mod
+    from aioswap import _swap_write
 
     peak = [0]
 
-    class Tracking(swap_mod._ByteBudget):
+    class Tracking(_swap_write.ByteBudget):
         def acquire(self, n: int) -> None:
             super().acquire(n)
             peak[0] = max(peak[0], self._used)
