@@ -829,22 +829,31 @@ class PinnedRegistry:
             return self._fallback(nbytes, _memlock_short(exc),
                                   "raise it with `ulimit -l unlimited`", message, stacklevel + 1,
                                   warn)
-        rec = _Range(mem.address, mem.address + mem.mapped_bytes, _ALLOCATED)
-        rec.ref = weakref.ref(mem)
         with self._critical():
             self._reserved -= mapped
-            try:
-                self._insert(rec)
-            except ValueError as exc:
-                # A stale external registration covers memory the kernel just gave us: that
-                # registration outlived its memory. Nothing else has seen `mem` yet.
-                mem.release()
-                raise PinnedMemoryError(f"fresh locked memory is already registered: {exc}"
-                                        ) from None
+            rec = self._record(mem, _ALLOCATED)
+        self._finalize(mem, rec)
+        return mem, rec
+
+    def _record(self, mem: LockedMemory, kind: str) -> _Range:
+        """Index fresh memory as this registry's own, of ``kind`` (the caller holds the
+        registry's lock)."""
+        rec = _Range(mem.address, mem.address + mem.mapped_bytes, kind)
+        rec.ref = weakref.ref(mem)
+        try:
+            self._insert(rec)
+        except ValueError as exc:
+            # A stale external registration covers memory the kernel just gave us: that
+            # registration outlived its memory. Nothing else has seen `mem` yet.
+            mem.release()
+            raise PinnedMemoryError(f"fresh memory is already registered: {exc}") from None
+        return rec
+
+    def _finalize(self, mem: LockedMemory, rec: _Range) -> None:
+        """Unindex ``rec`` when ``mem`` is collected."""
         fin = weakref.finalize(mem, self._collected, rec)
         fin.atexit = False
         rec.finalizer = fin
-        return mem, rec
 
     def _fallback(self, nbytes: int, cause: str, fix: str, detail: str, stacklevel: int,
                   warn: bool) -> tuple[LockedMemory, _Range]:
@@ -854,22 +863,12 @@ class PinnedRegistry:
         the debug log: most users meet this once per process, where a paragraph of advice
         is noise."""
         mem = LockedMemory(nbytes, False)
-        rec = _Range(mem.address, mem.address + mem.mapped_bytes, _UNLOCKED)
-        rec.ref = weakref.ref(mem)
         with self._critical():
-            try:
-                self._insert(rec)
-            except ValueError as exc:
-                # as for locked memory: a stale registration outlived the memory it named
-                mem.release()
-                raise PinnedMemoryError(f"fresh memory is already registered: {exc}"
-                                        ) from None
+            rec = self._record(mem, _UNLOCKED)
             self._fallbacks += 1
             if warn:
                 warn, self._warned = not self._warned, True
-        fin = weakref.finalize(mem, self._collected, rec)
-        fin.atexit = False
-        rec.finalizer = fin
+        self._finalize(mem, rec)
         logger.debug("using %d bytes of unlocked memory (direct I/O on the CPU still uses it; "
                      "CUDA copies through it are pageable): %s", nbytes, detail)
         if warn:
