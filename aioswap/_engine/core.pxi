@@ -262,7 +262,7 @@ cdef class Core:
         ``(class, new, finish, detach)`` of the future type (``aioswap._future.ENGINE``).
     general : object
         The handle's general path: ``request(h, ...)``, ``short_file(h, file, write)``,
-        ``many_slow(h, ...)``, ``many_finish_slow(h, q)``, ``abandon(h, queued)``,
+        ``many_slow(h, ...)``, ``many_finish_slow(h, q)``,
         ``unpack(item)``.
     """
     cdef public bint closed
@@ -1092,7 +1092,7 @@ cdef class Core:
 
 def deliver(list batch):
     """A lane's completion thread: finish a batch of requests (their futures' callbacks run
-    here): the compiled path's in one :meth:`Core.complete` per Core, the others through
+    here): a handle's requests in one :meth:`Core.complete` per Core, the others through
     their token's ``part_done``."""
     cdef Request rq
     tickets = []
