@@ -531,8 +531,13 @@ class Stream:
         self._free.clear()
         self._last_write.clear()
         self._arenas = []
-        self._reader.shutdown(wait=True)
-        self._writer.shutdown(wait=True)
+        for pool in (self._reader, self._writer):
+            while True:                 # its thread joined, also when Ctrl-C lands here
+                try:
+                    pool.shutdown(wait=True)
+                    break
+                except BaseException as exc:
+                    interrupted = interrupted or exc
         if interrupted is not None:
             raise interrupted
         if failed is not None and cause is not None and failed is not cause:
