@@ -393,6 +393,33 @@ def test_break_mid_loop_drains_and_releases(stored: Any, use_with: bool) -> None
     assert_state(sw, ref)                   # bucket 0 new, 1 (abandoned), 2, 3 as before
 
 
+def test_ctrl_c_while_its_threads_are_joined_leaves_none(stored: Any,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt that lands while close() joins the reader's thread: both threads
+    are still joined before it is raised (before, the writer's stayed alive)."""
+    import concurrent.futures
+    sw, state = stored
+    s = aioswap.stream(sw, tags_of(len(state)), prefetch=2)
+    for bucket in s:
+        step_bucket(bucket)
+        if bucket.index == 1:
+            break                       # a write-back sent: both threads exist
+    assert len(stream_threads()) == 2
+    real = concurrent.futures.ThreadPoolExecutor.shutdown
+    hits: list[int] = []
+
+    def interrupted_once(self: Any, *args: Any, **kwargs: Any) -> None:
+        if not hits:
+            hits.append(1)
+            raise KeyboardInterrupt
+        real(self, *args, **kwargs)
+    monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "shutdown", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        s.close()
+    assert hits and s.closed and s.in_flight == 0
+    assert stream_threads() == []
+
+
 def test_exception_in_step_drains_and_releases(stored: Any) -> None:
     sw, state = stored
     ref = clone(state)
